@@ -1,0 +1,27 @@
+"""gradsync: faster gradient synchronisation for data-parallel PyTorch training.
+
+Plans are data: a planner turns a model profile and a cost model into a Plan, the simulator
+predicts its iteration, and the runtime executes it on torch.distributed.
+"""
+from . import planners, profile
+from .cost import CodecCost, CostModel
+from .errors import ConfigError
+from .plan import Op, Plan, Slice
+from .profile import ModelProfile
+from .simulate import Timeline, simulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CodecCost",
+    "ConfigError",
+    "CostModel",
+    "ModelProfile",
+    "Op",
+    "Plan",
+    "Slice",
+    "Timeline",
+    "planners",
+    "profile",
+    "simulate",
+]

@@ -1,0 +1,190 @@
+"""CostModel: the time of one all-reduce, a + b·bytes, and its contention factor γ.
+
+Equation references: asc-wfbp eq. 3 (a + b·m) and eqs. 9–11 (γ for simultaneous all-reduces);
+mg-wfbp eq. 9 and Table II (a and b from the network's α, β and summation time per algorithm);
+us-byte eq. 1 (an empty all-reduce costs nothing) and eq. 14 (ring).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .errors import ConfigError, unknown_name
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """What a codec does to an op: bytes on the wire are `wire_ratio` × raw bytes, and encoding
+    plus decoding take `seconds_per_element` per gradient element."""
+
+    wire_ratio: float = 1.0
+    seconds_per_element: float = 0.0
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Quality of a least-squares fit of a and b: coefficient of determination and residuals."""
+
+    samples: int
+    r_squared: float
+    rmse: float
+    max_relative_error: float
+
+
+IDENTITY = CodecCost()
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9)."""
+
+    a: float
+    b: float
+    gamma: float = 1.0
+    name: str = "custom"
+    codecs: Mapping[str, CodecCost] = field(default_factory=dict, compare=False)
+    fit_report: FitReport | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for attr in ("a", "b"):
+            value = getattr(self, attr)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"cost model: '{attr}' must be a finite number > 0, got {value!r}")
+        if not isinstance(self.gamma, (int, float)) or not math.isfinite(self.gamma) or self.gamma < 1:
+            raise ConfigError(f"cost model: 'gamma' must be a finite number >= 1, got {self.gamma!r}")
+
+    def allreduce_time(self, nbytes: float) -> float:
+        """T_ar(m) = a + b·m, and 0 for an empty message (us-byte eq. 1)."""
+        return 0.0 if nbytes <= 0 else self.a + self.b * nbytes
+
+    def penalty(self, overlapped_bytes: float) -> float:
+        """Extra time of an all-reduce whose `overlapped_bytes` travel beside another (asc-wfbp eq. 11)."""
+        return (self.gamma - 1.0) * self.b * overlapped_bytes
+
+    def codec(self, name: str) -> CodecCost:
+        if name == "identity":
+            return self.codecs.get(name, IDENTITY)
+        if name not in self.codecs:
+            raise unknown_name("codec for this cost model", name, {"identity", *self.codecs})
+        return self.codecs[name]
+
+    def with_codecs(self, codecs: Mapping[str, CodecCost]) -> "CostModel":
+        return replace(self, codecs={**self.codecs, **codecs})
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma}
+
+    # -- constructors -------------------------------------------------------------------------
+    @classmethod
+    def from_network(
+        cls,
+        alpha: float,
+        beta: float,
+        workers: int,
+        sum_time: float = 0.0,
+        algorithm: str = "ring",
+        gamma: float = 1.0,
+        name: str | None = None,
+    ) -> "CostModel":
+        """a and b of an N-worker all-reduce from point-to-point α + β·M (mg-wfbp Table II).
+
+        `sum_time` is the time to add two numbers per byte (Table II's γ; not the contention γ).
+        """
+        if not isinstance(workers, int) or workers < 2:
+            raise ConfigError(f"cost model: 'workers' must be an integer >= 2, got {workers!r}")
+        n = workers
+        log_n = math.log2(n)
+        formulas = {
+            "binary_tree": (2 * alpha * log_n, (2 * beta + sum_time) * log_n),
+            "recursive_doubling": (alpha * log_n, (beta + sum_time) * log_n),
+            "halving_doubling": (2 * alpha * log_n, 2 * beta - (2 * beta + sum_time) / n + sum_time),
+            "ring": (2 * (n - 1) * alpha, 2 * (n - 1) / n * beta + (n - 1) / n * sum_time),
+        }
+        if algorithm not in formulas:
+            raise unknown_name("all-reduce algorithm", algorithm, formulas)
+        a, b = formulas[algorithm]
+        return cls(a, b, gamma, name or f"{algorithm}-{n}")
+
+    @classmethod
+    def preset(cls, name: str, workers: int | None = None) -> "CostModel":
+        """A cluster from the papers, scaled to `workers` with the ring formula (mg-wfbp Table II).
+
+        Without `workers`, the paper's own worker count is used, which reproduces its a and b.
+        """
+        if name not in PRESETS:
+            raise unknown_name("cluster preset", name, PRESETS)
+        preset = PRESETS[name]
+        return cls.from_network(
+            preset.alpha, preset.beta, workers or preset.workers, gamma=preset.gamma, name=name
+        )
+
+    @classmethod
+    def fit(
+        cls,
+        sizes: Sequence[float],
+        times: Sequence[float],
+        concurrent_sizes: Sequence[float] = (),
+        concurrent_times: Sequence[float] = (),
+        name: str = "fitted",
+    ) -> "CostModel":
+        """Least-squares a and b from (bytes, seconds) samples; γ from the times of two
+        simultaneous all-reduces of each size in `concurrent_sizes` (asc-wfbp eq. 9: a + γ·b·m)."""
+        x = np.asarray(sizes, dtype=float)
+        y = np.asarray(times, dtype=float)
+        if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
+            raise ConfigError("cost fit: needs at least two distinct sizes with one time each")
+        if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(y)):
+            raise ConfigError("cost fit: sizes must be >= 0 and times finite and > 0")
+        design = np.stack([np.ones_like(x), x], axis=1)
+        (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+        if a <= 0 or b <= 0:
+            raise ConfigError(
+                f"cost fit: the samples give a={a:.3g}, b={b:.3g}; both must be > 0 "
+                "(measure more sizes, larger ones for b, smaller ones for a)"
+            )
+        predicted = a + b * x
+        residual = y - predicted
+        total = float(np.sum((y - y.mean()) ** 2))
+        report = FitReport(
+            samples=int(x.size),
+            r_squared=1.0 - float(np.sum(residual**2)) / total if total > 0 else 1.0,
+            rmse=float(np.sqrt(np.mean(residual**2))),
+            max_relative_error=float(np.max(np.abs(residual) / y)),
+        )
+        gamma = 1.0
+        if len(concurrent_sizes):
+            cx = np.asarray(concurrent_sizes, dtype=float)
+            cy = np.asarray(concurrent_times, dtype=float)
+            if cx.shape != cy.shape or np.any(cx <= 0):
+                raise ConfigError("cost fit: concurrent sizes must be > 0, one time each")
+            excess = cy - a
+            gamma = max(1.0, float(np.dot(excess, b * cx) / np.dot(b * cx, b * cx)))
+        return cls(float(a), float(b), gamma, name, fit_report=report)
+
+
+@dataclass(frozen=True)
+class ClusterPreset:
+    """A paper's cluster as point-to-point α, β (seconds, seconds/byte) and its own worker count."""
+
+    alpha: float
+    beta: float
+    workers: int
+    gamma: float
+    source: str
+
+
+def _ring_preset(a: float, b: float, workers: int, gamma: float, source: str) -> ClusterPreset:
+    """Invert the ring row of mg-wfbp Table II (summation time folded into β)."""
+    return ClusterPreset(a / (2 * (workers - 1)), b * workers / (2 * (workers - 1)), workers, gamma, source)
+
+
+PRESETS: dict[str, ClusterPreset] = {
+    "asc-wfbp-10gbe": _ring_preset(1.4e-3, 1.7e-9, 32, 1.5, "asc-wfbp §VI-B: 8 nodes × 4 GPUs, 10GbE"),
+    "us-byte-cluster1": _ring_preset(910.5e-6, 0.352e-10, 8, 1.0, "us-byte Fig. 9a: 8 × V100, 10GbE"),
+    "us-byte-cluster2": _ring_preset(1318.6e-6, 2.406e-10, 8, 1.0, "us-byte Fig. 9b: 8 × RTX3090, 100 Gb/s"),
+    "mg-wfbp-10gbe": ClusterPreset(45.26e-6, 8e-10, 8, 1.0, "mg-wfbp §V-A: 2(N-1)α = 90.52/271.56/633.64 µs; "
+                                   "β = 1/(10 Gbit/s)"),
+}

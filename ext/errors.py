@@ -1,0 +1,10 @@
+"""The errors gradsync raises for bad input, so front-ends can report them without a traceback."""
+
+
+class ConfigError(ValueError):
+    """A configuration value, file or argument is invalid; the message names the field."""
+
+
+def unknown_name(kind: str, name: object, valid) -> ConfigError:
+    """The error for a name that is not among the valid ones, listing them."""
+    return ConfigError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(valid))}")

@@ -1,0 +1,48 @@
+"""Fixed-size buckets as torch DDP builds them: the baseline users know.
+
+Tensors are taken in backward order; the first bucket of each element size closes at 1 MiB, the rest at the cap
+(25 MiB by default); a bucket closes as soon as its size reaches the cap, and tensors of different
+element sizes never share one. Buckets launch in index order.
+"""
+from __future__ import annotations
+
+from ..cost import CostModel
+from ..plan import Op, Plan, whole
+from ..profile import ModelProfile
+from .options import positive_int, reject_unknown
+from .wfbp import backward_order
+
+MIB = 1 << 20
+
+
+def plan(
+    profile: ModelProfile,
+    cost: CostModel,
+    bucket_cap_bytes: int = 25 * MIB,
+    first_bucket_bytes: int = 1 * MIB,
+    **options,
+) -> Plan:
+    reject_unknown("ddp", options, ("bucket_cap_bytes", "first_bucket_bytes"))
+    positive_int("ddp", "bucket_cap_bytes", bucket_cap_bytes)
+    positive_int("ddp", "first_bucket_bytes", first_bucket_bytes)
+    open_buckets: dict[int, list] = {}  # element size -> tensors of the bucket being filled
+    filled: dict[int, int] = {}
+    closed_sizes: set[int] = set()  # element sizes whose first bucket is closed
+    ops: list[Op] = []
+
+    def close(size: int) -> None:
+        tensors = open_buckets.pop(size)
+        filled.pop(size)
+        closed_sizes.add(size)
+        ops.append(Op(tuple(whole(t) for t in tensors), priority=len(ops)))
+
+    for _, tensor in backward_order(profile):
+        size = tensor.bytes_per_element
+        open_buckets.setdefault(size, []).append(tensor)
+        filled[size] = filled.get(size, 0) + tensor.nbytes
+        cap = bucket_cap_bytes if size in closed_sizes else first_bucket_bytes
+        if filled[size] >= cap:
+            close(size)
+    for size in list(open_buckets):
+        close(size)
+    return Plan(tuple(ops), "ddp", {"bucket_cap_bytes": bucket_cap_bytes, "first_bucket_bytes": first_bucket_bytes})

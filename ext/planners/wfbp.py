@@ -1,0 +1,25 @@
+"""WFBP: one all-reduce per gradient tensor, launched as soon as the tensor is computed
+(wait-free backpropagation; mg-wfbp §III, asc-wfbp §II-B)."""
+from __future__ import annotations
+
+from ..cost import CostModel
+from ..plan import Op, Plan, whole
+from ..profile import ModelProfile
+from .options import reject_unknown
+
+
+def plan(profile: ModelProfile, cost: CostModel, **options) -> Plan:
+    """One op per tensor in backward order (output layer first)."""
+    reject_unknown("wfbp", options)
+    ops = tuple(
+        Op((whole(tensor),), priority=index)
+        for index, (layer_index, tensor) in enumerate(backward_order(profile))
+    )
+    return Plan(ops, "wfbp")
+
+
+def backward_order(profile: ModelProfile):
+    """(layer index, tensor) pairs in the order backward produces them: output layer first."""
+    for layer_index in range(len(profile.layers) - 1, -1, -1):
+        for tensor in reversed(profile.layers[layer_index].tensors):
+            yield layer_index, tensor

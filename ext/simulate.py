@@ -1,0 +1,157 @@
+"""One discrete-event model of a training iteration, for any plan.
+
+Time 0 is the start of the backward pass (us-byte §3). Layers run backward from output to input
+(us-byte eq. 2). An op becomes ready when all its slices are computed (and, for forward-phase ops,
+when the backward pass has ended: us-byte eq. 9); it starts once ready and once the op before it on
+its channel has finished (eq. 3). An op lasts ``a`` (start-up, plus codec compute) and then
+transmits ``b·bytes`` of work; while k ops transmit at once each progresses at 1/s(k) of its solo
+rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
+the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
+done; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
+The iteration time is the end of the next forward of layer L (us-byte eq. 12).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import CostModel
+from .plan import BACKWARD, FORWARD, Plan, ops_by_channel
+from .profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class OpSpan:
+    op: int
+    channel: int
+    phase: str
+    nbytes: int
+    ready: float
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    layer: int
+    name: str
+    kind: str  # "backward" or "forward"
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated iteration: spans of every op and layer, and summary numbers in seconds."""
+
+    iteration_time: float
+    compute_time: float
+    backward_end: float
+    comm_end: float
+    ops: tuple[OpSpan, ...]
+    layers: tuple[LayerSpan, ...]
+
+    @property
+    def noncovered_comm(self) -> float:
+        """Communication not hidden behind compute: iteration time minus forward and backward."""
+        return max(0.0, self.iteration_time - self.compute_time)
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(span.nbytes for span in self.ops)
+
+
+def contention_slowdown(gamma: float, transmitting: int) -> float:
+    """s(k) = 1 + (γ − 1)(k − 1): per-op slowdown when k ops transmit at once (asc-wfbp eq. 9 at k = 2)."""
+    return 1.0 + (gamma - 1.0) * max(0, transmitting - 1)
+
+
+def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
+    """Simulate one iteration of `plan` (see the module docstring for the model)."""
+    layer_of = profile.layer_of_tensor()
+    tensors = profile.tensor_map()
+    ready_times = profile.backward_ready_times()
+    backward_end = profile.backward_time
+
+    count = len(plan.ops)
+    ready = [0.0] * count
+    fixed = [0.0] * count
+    work = [0.0] * count
+    nbytes = [0] * count
+    for index, op in enumerate(plan.ops):
+        ready[index] = max(ready_times[layer_of[s.tensor]] for s in op.slices)
+        if op.phase == FORWARD:
+            ready[index] = max(ready[index], backward_end)
+        codec = cost.codec(op.codec)
+        raw = sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
+        nbytes[index] = int(round(raw * codec.wire_ratio))
+        fixed[index] = cost.a + codec.seconds_per_element * op.numel()
+        work[index] = cost.b * nbytes[index]
+
+    queues = {channel: list(reversed(indices)) for channel, indices in ops_by_channel(plan.ops).items()}
+    start = [0.0] * count
+    end = [0.0] * count
+    in_fixed: dict[int, float] = {}  # op -> remaining start-up time
+    in_transmit: dict[int, float] = {}  # op -> remaining solo transmission time
+    busy: set[int] = set()
+    clock = 0.0
+    done = 0
+    while done < count:
+        for channel, queue in queues.items():
+            if channel not in busy and queue and ready[queue[-1]] <= clock:
+                index = queue.pop()
+                busy.add(channel)
+                start[index] = clock
+                in_fixed[index] = fixed[index]
+        slowdown = contention_slowdown(cost.gamma, len(in_transmit))
+        horizon = [clock + rest for rest in in_fixed.values()]
+        horizon += [clock + rest * slowdown for rest in in_transmit.values()]
+        horizon += [ready[q[-1]] for c, q in queues.items() if q and c not in busy]
+        step = min(horizon) - clock
+        tolerance = 1e-12 * max(1.0, clock + step)
+        for index in list(in_transmit):
+            in_transmit[index] -= step / slowdown
+            if in_transmit[index] <= tolerance:
+                del in_transmit[index]
+                busy.discard(plan.ops[index].channel)
+                end[index] = clock + step
+                done += 1
+        for index in list(in_fixed):
+            in_fixed[index] -= step
+            if in_fixed[index] <= tolerance:
+                del in_fixed[index]
+                in_transmit[index] = work[index]
+        clock += step
+
+    forward_gate = [0.0] * len(profile.layers)
+    backward_done = max([backward_end] + [end[i] for i, op in enumerate(plan.ops) if op.phase == BACKWARD])
+    for index, op in enumerate(plan.ops):
+        if op.phase == FORWARD:
+            for s in op.slices:
+                layer = layer_of[s.tensor]
+                forward_gate[layer] = max(forward_gate[layer], end[index])
+
+    layer_spans = [
+        LayerSpan(i, layer.name, "backward", s, s + layer.backward_time)
+        for i, (layer, s) in enumerate(zip(profile.layers, profile.backward_start_times()))
+    ]
+    forward_clock = backward_done
+    for i, layer in enumerate(profile.layers):
+        forward_clock = max(forward_clock, forward_gate[i])
+        layer_spans.append(LayerSpan(i, layer.name, "forward", forward_clock, forward_clock + layer.forward_time))
+        forward_clock += layer.forward_time
+
+    op_spans = tuple(
+        OpSpan(i, op.channel, op.phase, nbytes[i], ready[i], start[i], end[i]) for i, op in enumerate(plan.ops)
+    )
+    return Timeline(
+        iteration_time=forward_clock,
+        compute_time=profile.forward_time + profile.backward_time,
+        backward_end=backward_end,
+        comm_end=max(end, default=0.0),
+        ops=op_spans,
+        layers=tuple(layer_spans),
+    )

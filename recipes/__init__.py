@@ -1,0 +1,1 @@
+"""Hydra recipes (package data) and the `gradsync-train` application."""

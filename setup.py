@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+# One distribution, import name `gradsync`: each top-level folder maps to a subpackage.
+FOLDERS = {
+    "gradsync": "ext",
+    "gradsync.strategies": "strategies",
+    "gradsync.triton_kernels": "triton_kernels",
+    "gradsync.recipes": "recipes",
+}
+
+
+def packages():
+    found = []
+    for name, folder in FOLDERS.items():
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(folder)]
+    return found
+
+
+setup(
+    name="gradsync",
+    version="0.1.0",
+    description="Faster gradient synchronisation for data-parallel PyTorch training",
+    python_requires=">=3.10",
+    packages=packages(),
+    package_dir=FOLDERS,
+    package_data={"gradsync.recipes": ["**/*.yaml"], "gradsync": ["presets/*.json"]},
+    install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml"],
+    extras_require={"dev": ["pytest>=8", "pytest-timeout"]},
+    entry_points={"console_scripts": ["gradsync=gradsync.cli:main"]},
+)

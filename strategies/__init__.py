@@ -1,0 +1,1 @@
+"""Lightning strategies that run training with gradsync's runtime (registered on import)."""

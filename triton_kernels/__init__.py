@@ -1,0 +1,1 @@
+"""Triton kernels for compression and error feedback, each beside its torch reference."""
