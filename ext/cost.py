@@ -129,9 +129,14 @@ class CostModel:
         concurrent_sizes: Sequence[float] = (),
         concurrent_times: Sequence[float] = (),
         name: str = "fitted",
+        clamp: bool = False,
     ) -> "CostModel":
         """Least-squares a and b from (bytes, seconds) samples; γ from the times of two
-        simultaneous all-reduces of each size in `concurrent_sizes` (asc-wfbp eq. 9: a + γ·b·m)."""
+        simultaneous all-reduces of each size in `concurrent_sizes` (asc-wfbp eq. 9: a + γ·b·m).
+
+        A fit with a ≤ 0 or b ≤ 0 raises, unless `clamp` (for live measurements, where such a fit
+        means the term is below what the samples resolve): then it is set to its smallest value
+        consistent with the samples (a: 1% of the fastest sample; b: 1e-15 s/byte)."""
         x = np.asarray(sizes, dtype=float)
         y = np.asarray(times, dtype=float)
         if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
@@ -140,6 +145,8 @@ class CostModel:
             raise ConfigError("cost fit: sizes must be >= 0 and times finite and > 0")
         design = np.stack([np.ones_like(x), x], axis=1)
         (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+        if clamp:
+            a, b = max(a, 0.01 * float(y.min())), max(b, 1e-15)
         if a <= 0 or b <= 0:
             raise ConfigError(
                 f"cost fit: the samples give a={a:.3g}, b={b:.3g}; both must be > 0 "

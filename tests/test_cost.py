@@ -1,0 +1,84 @@
+import math
+
+import numpy as np
+import pytest
+
+from gradsync import ConfigError, CostModel
+
+
+def test_allreduce_time_is_eq3_and_zero_for_empty():
+    cost = CostModel(1e-3, 2e-9)
+    assert cost.allreduce_time(1e6) == pytest.approx(1e-3 + 2e-3)
+    assert cost.allreduce_time(0) == 0.0
+
+
+def test_penalty_eq11():
+    cost = CostModel(1e-3, 2e-9, gamma=1.5)
+    assert cost.penalty(1e6) == pytest.approx(0.5 * 2e-9 * 1e6)
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_ring_table_ii(workers):
+    alpha, beta, add = 5e-6, 1e-9, 1e-10
+    cost = CostModel.from_network(alpha, beta, workers, sum_time=add)
+    n = workers
+    assert cost.a == pytest.approx(2 * (n - 1) * alpha)
+    assert cost.b == pytest.approx(2 * (n - 1) / n * beta + (n - 1) / n * add)
+
+
+def test_tree_and_halving_doubling_table_ii():
+    tree = CostModel.from_network(1e-6, 1e-9, 8, sum_time=1e-10, algorithm="binary_tree")
+    assert (tree.a, tree.b) == pytest.approx((2e-6 * 3, (2e-9 + 1e-10) * 3))
+    hd = CostModel.from_network(1e-6, 1e-9, 8, sum_time=1e-10, algorithm="halving_doubling")
+    assert hd.b == pytest.approx(2e-9 - (2e-9 + 1e-10) / 8 + 1e-10)
+
+
+def test_presets_reproduce_the_papers_numbers():
+    asc = CostModel.preset("asc-wfbp-10gbe")
+    assert (asc.a, asc.b, asc.gamma) == pytest.approx((1.4e-3, 1.7e-9, 1.5))
+    us1 = CostModel.preset("us-byte-cluster1")
+    assert (us1.a, us1.b) == pytest.approx((910.5e-6, 0.352e-10))
+    mg = [CostModel.preset("mg-wfbp-10gbe", workers=n).a for n in (2, 4, 8)]
+    assert mg == pytest.approx([90.52e-6, 271.56e-6, 633.64e-6])
+
+
+def test_fit_recovers_a_b_gamma():
+    rng = np.random.default_rng(0)
+    sizes = np.linspace(1e3, 64e6, 12)
+    times = 0.9e-3 + 1.6e-9 * sizes
+    noisy = times * (1 + 0.002 * rng.standard_normal(sizes.size))
+    pair_sizes = np.array([8e6, 32e6])
+    pair_times = 0.9e-3 + 1.4 * 1.6e-9 * pair_sizes
+    cost = CostModel.fit(sizes, noisy, pair_sizes, pair_times)
+    assert cost.a == pytest.approx(0.9e-3, rel=0.05)
+    assert cost.b == pytest.approx(1.6e-9, rel=0.01)
+    assert cost.gamma == pytest.approx(1.4, rel=0.02)
+    assert cost.fit_report.samples == 12 and cost.fit_report.r_squared > 0.999
+
+
+@pytest.mark.parametrize("kwargs, field", [({"a": 0, "b": 1e-9}, "'a'"), ({"a": 1e-3, "b": -1}, "'b'"),
+                                           ({"a": 1e-3, "b": 1e-9, "gamma": 0.9}, "'gamma'"),
+                                           ({"a": math.nan, "b": 1e-9}, "'a'")])
+def test_bad_parameters_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        CostModel(**kwargs)
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ConfigError, match="asc-wfbp-10gbe"):
+        CostModel.preset("nope")
+
+
+def test_fit_rejects_degenerate_samples():
+    with pytest.raises(ConfigError):
+        CostModel.fit([1e6, 1e6], [1e-3, 1e-3])
+
+
+def test_clamped_fit_keeps_unresolvable_terms_positive():
+    sizes = [4e3, 4e4, 4e5]
+    falling = [2.1e-4, 2.0e-4, 1.9e-4]  # noise makes the slope negative
+    with pytest.raises(ConfigError, match="b="):
+        CostModel.fit(sizes, falling)
+    cost = CostModel.fit(sizes, falling, clamp=True)
+    _, intercept = np.polyfit(sizes, falling, 1)
+    assert cost.b == 1e-15 and cost.a == pytest.approx(intercept)

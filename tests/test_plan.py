@@ -1,0 +1,59 @@
+import pytest
+
+from gradsync import ConfigError, Op, Plan, Slice
+from gradsync.plan import FORWARD
+from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
+from helpers import toy_profile
+
+PROFILE = toy_profile([(10, 1, 1), (6, 1, 1)])
+
+
+def plan_of(*ops):
+    return Plan(tuple(ops))
+
+
+def test_valid_plan_with_split_tensor_round_trips_through_json():
+    plan = plan_of(
+        Op((Slice("t1", 0, 6),)),
+        Op((Slice("t0", 4, 6),), channel=1),
+        Op((Slice("t0", 0, 4),), phase=FORWARD, priority=3),
+    ).validate(PROFILE)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.hash == plan.hash
+    assert plan.channels == 2
+
+
+def test_hash_changes_with_the_ops():
+    one = plan_of(Op((Slice("t0", 0, 10),)), Op((Slice("t1", 0, 6),)))
+    two = plan_of(Op((Slice("t1", 0, 6),)), Op((Slice("t0", 0, 10),)))
+    assert one.hash != two.hash
+
+
+@pytest.mark.parametrize(
+    "ops, message",
+    [
+        ((Op((Slice("t0", 0, 10),)),), "t1.*not covered"),
+        ((Op((Slice("t0", 0, 10), Slice("t1", 0, 6))), Op((Slice("t1", 5, 1),))), "t1.*covered twice"),
+        ((Op((Slice("t0", 0, 9),)), Op((Slice("t1", 0, 6),))), "t0.*not covered"),
+        ((Op((Slice("t0", 0, 11), Slice("t1", 0, 6))),), "outside"),
+        ((Op((Slice("zz", 0, 1),)),), "unknown tensor"),
+        ((Op((Slice("t0", 0, 10),), channel=1), Op((Slice("t1", 0, 6),), channel=2)), "channels"),
+        ((Op((Slice("t0", 0, 10),), phase=FORWARD), Op((Slice("t1", 0, 6),))), "backward op follows"),
+        ((Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), phase="later"),), "phase"),
+        ((Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), transport="carrier-pigeon"),), "transport"),
+    ],
+)
+def test_broken_plans_are_rejected(ops, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of(*ops).validate(PROFILE)
+
+
+def test_mixed_element_sizes_never_share_an_op():
+    profile = ModelProfile("m", (LayerProfile("l", (TensorSpec("a", 4, 4), TensorSpec("h", 4, 2)), 0.0, 0.0),))
+    with pytest.raises(ConfigError, match="mixes element sizes"):
+        plan_of(Op((Slice("a", 0, 4), Slice("h", 0, 4)))).validate(profile)
+
+
+def test_malformed_json():
+    with pytest.raises(ConfigError):
+        Plan.from_json('{"ops": [{"slices": [["t0", 0]]}]}')
