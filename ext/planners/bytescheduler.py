@@ -1,0 +1,124 @@
+"""ByteScheduler: fixed-size partitions, input-side-first priority and credit-based sending
+(the baseline of us-byte §2.2–2.3, Fig. 2c and Fig. 3b).
+
+Every layer's gradient is cut into basic blocks of S_p bytes; a block's priority is its layer index
+(input side first), then its position in the layer. ByteScheduler decides at run time: whenever one
+of its `credit` slots is free, it sends the most urgent block that backward has produced. That
+decision process is emulated here on the simulator's model of an op (start-up ``a``, then
+``b·bytes`` of transmission slowed by s(k) while k ops transmit) and its launch order is written as
+a plan: each slot is a channel; blocks launched before the backward pass ends are backward-phase
+ops, the others forward-phase ops that gate only their own layer's next forward (us-byte eq. 11).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from ..cost import CostModel
+from ..plan import BACKWARD, FORWARD, Op, Plan
+from ..profile import ModelProfile
+from ..simulate import contention_slowdown
+from .options import positive_int, reject_unknown
+from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
+
+# Partitions in flight, as credit size 2 in us-byte Fig. 3b and §6.7 (ByteScheduler's own credit
+# counts bytes in flight; with equal partitions that is the same bound).
+DEFAULT_CREDIT = 2
+
+
+@dataclass(frozen=True)
+class Block:
+    """A basic block of a gradient group; `rank` is its priority (0 is the most urgent)."""
+
+    group: GradientGroup
+    index: int
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        return min(self.group.block_bytes, self.group.nbytes - self.index * self.group.block_bytes)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """When the emulation sends a block, and on which slot (channel)."""
+
+    block: Block
+    slot: int
+    start: float
+
+
+def plan(
+    profile: ModelProfile,
+    cost: CostModel,
+    partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    credit: int = DEFAULT_CREDIT,
+    **options,
+) -> Plan:
+    """ByteScheduler's launch order as a plan: one op per basic block, channel = credit slot."""
+    reject_unknown("bytescheduler", options, ("partition_bytes", "credit"))
+    positive_int("bytescheduler", "partition_bytes", partition_bytes)
+    positive_int("bytescheduler", "credit", credit)
+    backward_end = profile.backward_time
+    ops = tuple(
+        Op(
+            launch.block.group.slices(launch.block.index, 1),
+            BACKWARD if launch.start < backward_end else FORWARD,
+            channel=launch.slot,
+            priority=launch.block.rank,
+        )
+        for launch in emulate(profile, cost, partition_bytes, credit)
+    )
+    return Plan(ops, "bytescheduler", {"partition_bytes": partition_bytes, "credit": credit})
+
+
+def blocks_by_priority(profile: ModelProfile, partition_bytes: int) -> list[Block]:
+    """Every basic block, most urgent first: layer index (input side first), then position."""
+    blocks = []
+    for group in gradient_groups(profile, partition_bytes):
+        blocks += [Block(group, index, len(blocks) + index) for index in range(group.num_blocks)]
+    return blocks
+
+
+def emulate(profile: ModelProfile, cost: CostModel, partition_bytes: int, credit: int) -> list[Launch]:
+    """Credit-based priority sending, event by event; returns the launches in time order.
+
+    A block becomes ready when its layer's backward ends (us-byte eq. 2). Whenever a slot is free,
+    the most urgent ready block starts on the lowest free slot; ops progress as in the simulator.
+    """
+    by_priority = blocks_by_priority(profile, partition_bytes)
+    waiting = sorted(by_priority, key=lambda b: (b.group.ready, b.rank), reverse=True)  # pop(): next ready
+    ready: list[tuple[int, Block]] = []  # heap of (rank, block)
+    slots: list[int | None] = [None] * credit  # launch index per busy slot
+    launches: list[Launch] = []
+    in_fixed: dict[int, float] = {}  # launch -> remaining start-up time
+    in_transmit: dict[int, float] = {}  # launch -> remaining solo transmission time
+    clock = 0.0
+    while waiting or ready:
+        while waiting and waiting[-1].group.ready <= clock:
+            block = waiting.pop()
+            heapq.heappush(ready, (block.rank, block))
+        for slot, busy in enumerate(slots):
+            if busy is None and ready:
+                slots[slot] = len(launches)
+                in_fixed[len(launches)] = cost.a
+                launches.append(Launch(heapq.heappop(ready)[1], slot, clock))
+        slowdown = contention_slowdown(cost.gamma, len(in_transmit))
+        horizon = [clock + rest for rest in in_fixed.values()]
+        horizon += [clock + rest * slowdown for rest in in_transmit.values()]
+        if waiting and None in slots:
+            horizon.append(waiting[-1].group.ready)
+        step = min(horizon) - clock
+        tolerance = 1e-12 * max(1.0, clock + step)
+        for index in list(in_transmit):
+            in_transmit[index] -= step / slowdown
+            if in_transmit[index] <= tolerance:
+                del in_transmit[index]
+                slots[launches[index].slot] = None
+        for index in list(in_fixed):
+            in_fixed[index] -= step
+            if in_fixed[index] <= tolerance:
+                del in_fixed[index]
+                in_transmit[index] = cost.b * launches[index].block.nbytes
+        clock += step
+    return launches

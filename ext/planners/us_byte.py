@@ -1,0 +1,213 @@
+"""US-Byte: unequal-sized tensor blocks scheduled in a near-optimal order (us-byte §3–4).
+
+Each layer's gradient (each gradient group, see partition.py) is cut into basic blocks of S_p
+bytes; an op merges several neighbouring blocks of one layer, the two-tuple <O_num, O_lay>.
+- Phase one, overlapping backward: Algorithm 1 turns the priorities P1 into ops (eqs. 3–8).
+- Phase two, overlapping the next forward: the blocks left of each layer form one op, layers in
+  order 1..L (Theorem 1: P2^(l) = l), launched after backward (eqs. 9–10).
+- The objective is the iteration time of eqs. 9–12 in closed form. For these one-channel plans it
+  equals gradsync.simulate of the plan (asserted in the tests), and costs O(ops) instead of a full
+  event simulation, which keeps the O(L) evaluations of the greedy cheap.
+- Algorithm 2 searches P1 greedily from sequential priorities. Its result is compared with one
+  more point of the same search space, WFBP's order with whole-layer ops, so that the plan is never
+  slower than WFBP (Algorithm 1 alone can be: see `wfbp_equivalent`).
+All ops run on one channel, in the order Algorithm 3 of us-byte launches them.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from ..cost import CostModel
+from ..plan import BACKWARD, FORWARD, Op, Plan
+from ..profile import ModelProfile
+from .options import positive_int, reject_unknown
+from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
+
+
+@dataclass
+class PhaseOneOp:
+    """<O_num, O_lay> of a phase-one all-reduce: `blocks` blocks of `group` from `first_block`,
+    starting at τ_ar (eq. 3). Mutable because Algorithm 1 lines 13–14 merge into the last op."""
+
+    group: int
+    first_block: int
+    blocks: int
+    start: float
+
+
+@dataclass
+class Schedule:
+    """Algorithm 1's output: phase-one ops, blocks left per group (m_re), and `end`, the earliest
+    start of the next op (τ_ar^(δ1) + T_ar(O_num^(δ1)) of eq. 9 when phase one ends busy)."""
+
+    ops: list[PhaseOneOp]
+    remaining: list[int]
+    end: float
+    first_start: dict[int, float] = field(default_factory=dict)  # group -> τ_ar of its first op
+
+
+@dataclass
+class Candidate:
+    """A point of US-Byte's search space: block sizes (groups), P1, Algorithm 1's schedule, t_iter."""
+
+    groups: list[GradientGroup]
+    priorities: list[int]
+    schedule: Schedule
+    time: float
+
+
+def plan(profile: ModelProfile, cost: CostModel, partition_bytes: int = DEFAULT_PARTITION_BYTES, **options) -> Plan:
+    """US-Byte's plan: Algorithm 2's P1 and Algorithm 1's phase-one ops, then phase two by Theorem 1;
+    the WFBP-equivalent point of the same search space where that is faster (see `wfbp_equivalent`)."""
+    reject_unknown("us_byte", options, ("partition_bytes",))
+    positive_int("us_byte", "partition_bytes", partition_bytes)
+    greedy = greedy_priorities(gradient_groups(profile, partition_bytes), profile, cost)
+    best = min(greedy, wfbp_equivalent(profile, cost), key=lambda candidate: candidate.time)
+    return Plan(tuple(candidate_ops(best)), "us_byte", {"partition_bytes": partition_bytes})
+
+
+def candidate_ops(candidate: Candidate) -> list[Op]:
+    """Phase-one ops in Algorithm 1's order, then one op per layer with blocks left, layers 1..L (eq. 10)."""
+    groups, schedule = candidate.groups, candidate.schedule
+    backward_ops = [
+        Op(groups[op.group].slices(op.first_block, op.blocks), BACKWARD, priority=candidate.priorities[op.group])
+        for op in schedule.ops
+    ]
+    forward_ops = [
+        Op(group.slices(group.num_blocks - left, left), FORWARD, priority=index)
+        for index, (group, left) in enumerate(zip(groups, schedule.remaining))
+        if left
+    ]
+    return backward_ops + forward_ops
+
+
+def wfbp_equivalent(profile: ModelProfile, cost: CostModel) -> Candidate:
+    """Every layer in one op (O_num = m^(l)), output layer first (P1 reversed).
+
+    Algorithm 1's cases can split a layer into an op more, whose start-up ``a`` may cost more than
+    the overlap gains, so the greedy alone can end slower than WFBP. At this point of the search
+    space phase one sends what WFBP sends during backward, in the same order and no later, and
+    phase two sends the rest in Theorem 1's order, so its t_iter is at most WFBP's.
+    """
+    groups = gradient_groups(profile, profile.total_bytes)
+    priorities = list(range(len(groups) - 1, -1, -1))
+    schedule = phase_one(groups, priorities, cost)
+    return Candidate(groups, priorities, schedule, iteration_time(schedule, groups, profile, cost))
+
+
+# -- the model: eqs. 1 and 3–12 ---------------------------------------------------------------
+def shortfall(group: GradientGroup, cost: CostModel) -> float:
+    """Δt = (m^(l) − M^(l)/S_p)·b·S_p (eq. 8): the time the short last block does not take."""
+    return (group.num_blocks * group.block_bytes - group.nbytes) * cost.b
+
+
+def op_seconds(group: GradientGroup, blocks: int, takes_last_block: bool, cost: CostModel) -> float:
+    """T_ar(O_num) − Δt (eq. 1, Algorithm 1 lines 23–24): a + b·(the op's bytes)."""
+    return cost.allreduce_time(blocks * group.block_bytes) - (shortfall(group, cost) if takes_last_block else 0.0)
+
+
+def blocks_to_send(gap: float, carried: int, available: int, group: GradientGroup, cost: CostModel) -> int:
+    """O_num of an op that starts `gap` before the current layer's backward ends (eqs. 4–7).
+
+    `carried` blocks are already in the op (Algorithm 1 lines 13–14 merge a second op of the same
+    layer into the first, which keeps its start, so eqs. 4–7 size the whole op); `available` more
+    may join. The op takes at least one new block: eq. 6 gives 0 when the gap is exactly `a`.
+    """
+    total = carried + available
+    if gap < cost.a:  # Case 1, eq. 4
+        wanted = 1
+    elif gap < cost.allreduce_time(total * group.block_bytes):  # Case 2, eqs. 5–6
+        wanted = math.ceil((gap - cost.a) / (cost.b * group.block_bytes))
+    else:  # Case 3, eq. 7
+        wanted = total
+    return min(total, max(carried + 1, wanted))
+
+
+def phase_one(groups: list[GradientGroup], priorities: list[int], cost: CostModel) -> Schedule:
+    """Algorithm 1: the phase-one ops for priorities P1 (lower is more urgent).
+
+    Groups are visited output → input (line 7); while the current group's backward runs, ops send
+    the most urgent blocks already computed (lines 8–9, a heap in place of CALCULATE_O_lay's scan);
+    the channel idles when none are left (lines 10–12); the group's blocks join at its end (line 27).
+    """
+    remaining = [0] * len(groups)
+    urgent: list[tuple[int, int]] = []  # heap of (P1, group) over groups with blocks left
+    ops: list[PhaseOneOp] = []
+    first_start: dict[int, float] = {}
+    next_start = groups[-1].ready  # line 6
+    for index in range(len(groups) - 1, -1, -1):
+        ready = groups[index].ready
+        while ready - next_start > 0:  # line 8
+            if not urgent:  # lines 10–12
+                next_start = ready
+                break
+            chosen = urgent[0][1]  # line 9
+            group = groups[chosen]
+            if not (ops and ops[-1].group == chosen):  # lines 13–14: otherwise merge into the last op
+                ops.append(PhaseOneOp(chosen, group.num_blocks - remaining[chosen], 0, next_start))
+                first_start.setdefault(chosen, next_start)
+            op = ops[-1]
+            total = blocks_to_send(ready - op.start, op.blocks, remaining[chosen], group, cost)  # lines 15–21
+            remaining[chosen] -= total - op.blocks  # line 22
+            op.blocks = total
+            if not remaining[chosen]:
+                heapq.heappop(urgent)
+            next_start = op.start + op_seconds(group, total, not remaining[chosen], cost)  # lines 23–24
+        remaining[index] = groups[index].num_blocks  # line 27
+        heapq.heappush(urgent, (priorities[index], index))
+    return Schedule(ops, remaining, next_start, first_start)
+
+
+def iteration_time(schedule: Schedule, groups: list[GradientGroup], profile: ModelProfile, cost: CostModel) -> float:
+    """t_iter of eq. 12, with phase two in sequential order (Theorem 1).
+
+    Phase two starts when backward and phase one are done (eq. 9) and sends each group's remaining
+    blocks in one op (eq. 10); layer l's forward waits for layer l−1's and for its own ops (eq. 11).
+    A layer without a phase-two op waits for no op, which for sequential order is eq. 11's bound.
+    """
+    backward_done = max(profile.backward_time, schedule.end)
+    clock = backward_done
+    gates = [0.0] * len(profile.layers)
+    for group, left in zip(groups, schedule.remaining):
+        if left:
+            clock += op_seconds(group, left, True, cost)
+            gates[group.layer] = clock
+    forward = backward_done
+    for layer, gate in zip(profile.layers, gates):
+        forward = max(forward, gate) + layer.forward_time
+    return forward
+
+
+# -- Algorithm 2 ------------------------------------------------------------------------------
+def greedy_priorities(groups: list[GradientGroup], profile: ModelProfile, cost: CostModel) -> Candidate:
+    """Algorithm 2: from sequential P1, for l = L..2 raise layer l's priority to the layer k of
+    eq. 13 and keep the change when t_iter (eqs. 9–12) drops."""
+    priorities = list(range(len(groups)))  # lines 1–2
+    schedule = phase_one(groups, priorities, cost)
+    best = iteration_time(schedule, groups, profile, cost)  # line 3
+    ascending_ready = [group.ready for group in reversed(groups)]
+    layer = len(groups) - 1
+    while layer >= 1:  # line 5; the first layer cannot be raised above itself
+        if layer in schedule.first_start:  # lines 6–14: skip layers sent only in phase two
+            finish = schedule.first_start[layer] + op_seconds(groups[layer], groups[layer].num_blocks, True, cost)
+            target = len(groups) - bisect_left(ascending_ready, finish)  # lines 16–21, eq. 13
+            if target < layer:
+                trial = raise_priority(priorities, layer, target)
+                trial_schedule = phase_one(groups, trial, cost)
+                trial_time = iteration_time(trial_schedule, groups, profile, cost)  # line 22
+                if trial_time < best:  # lines 23–24
+                    best, priorities, schedule, layer = trial_time, trial, trial_schedule, target
+        layer -= 1  # line 25
+    return Candidate(groups, priorities, schedule, best)
+
+
+def raise_priority(priorities: list[int], layer: int, target: int) -> list[int]:
+    """ADJUSTPRIORITY (Algorithm 2 lines 27–31): layer takes target's priority, target..layer−1 move down one."""
+    raised = list(priorities)
+    raised[layer] = priorities[target]
+    for index in range(target, layer):
+        raised[index] = priorities[index] + 1
+    return raised
