@@ -24,7 +24,7 @@ setup(
     python_requires=">=3.10",
     packages=packages(),
     package_dir=FOLDERS,
-    package_data={"gradsync.recipes": ["**/*.yaml"], "gradsync": ["presets/*.json"]},
+    package_data={"gradsync.recipes": ["**/*.yaml"]},
     install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml"],
     extras_require={"dev": ["pytest>=8", "pytest-timeout"]},
     entry_points={"console_scripts": ["gradsync=gradsync.cli:main"]},

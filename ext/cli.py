@@ -1,0 +1,171 @@
+"""The `gradsync` command: list the model zoo, build a plan, compare schedulers in the simulator."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from . import planners
+from .cost import PRESETS, CostModel
+from .errors import ConfigError
+from .plan import Plan
+from .profile import ModelProfile, zoo, zoo_names
+from .simulate import Timeline, simulate
+
+
+def _option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE parsed as JSON when it is JSON (numbers, lists), else kept as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    listing = commands.add_parser("zoo", help="list the model zoo")
+    listing.add_argument("--json", action="store_true")
+
+    def workload(sub: argparse.ArgumentParser) -> None:
+        source = sub.add_mutually_exclusive_group(required=True)
+        source.add_argument("--model", help=f"zoo model: {', '.join(zoo_names())}")
+        source.add_argument("--profile", help="a ModelProfile JSON file")
+        sub.add_argument("--batch-size", type=int, default=None)
+        sub.add_argument("--device", default="V100", help="GPU preset for the zoo's compute times")
+        sub.add_argument("--workers", type=int, default=None, help="number of workers N")
+        sub.add_argument("--cluster", help=f"cost preset: {', '.join(PRESETS)}")
+        sub.add_argument("--a", type=float, help="all-reduce start-up time in seconds")
+        sub.add_argument("--b", type=float, help="all-reduce time per byte in seconds")
+        sub.add_argument("--gamma", type=float, default=None, help="contention factor (>= 1)")
+        sub.add_argument("--json", action="store_true")
+
+    build = commands.add_parser("plan", help="build one scheduler's plan and predict its iteration")
+    workload(build)
+    build.add_argument("--scheduler", required=True, help=f"one of: {', '.join(planners.names())}")
+    build.add_argument("-o", "--option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                       help="planner option, e.g. -o partition_bytes=4000000 -o channels=2")
+    build.add_argument("--timeline", help="write the simulated timeline as a PNG")
+    build.add_argument("--save", help="write the plan as JSON")
+
+    compare = commands.add_parser("simulate", help="compare schedulers in the simulator")
+    workload(compare)
+    compare.add_argument("--schedulers", default="all", help="comma-separated names, or 'all'")
+    return parser
+
+
+def _profile(args) -> ModelProfile:
+    if args.profile:
+        return ModelProfile.load(args.profile)
+    return zoo(args.model, batch_size=args.batch_size, device=args.device)
+
+
+def _cost(args) -> CostModel:
+    explicit = args.a is not None or args.b is not None
+    if explicit and args.cluster:
+        raise ConfigError("give either --cluster or --a/--b, not both")
+    if explicit:
+        if args.a is None or args.b is None:
+            raise ConfigError("--a and --b must be given together")
+        return CostModel(args.a, args.b, 1.0 if args.gamma is None else args.gamma)
+    if not args.cluster:
+        raise ConfigError(f"give --cluster (one of: {', '.join(PRESETS)}) or --a and --b")
+    cost = CostModel.preset(args.cluster, workers=args.workers)
+    if args.gamma is not None:
+        cost = CostModel(cost.a, cost.b, args.gamma, cost.name)
+    return cost
+
+
+def _summary(plan: Plan, timeline: Timeline) -> dict:
+    return {
+        "scheduler": plan.planner,
+        "iteration_time_ms": timeline.iteration_time * 1e3,
+        "noncovered_comm_ms": timeline.noncovered_comm * 1e3,
+        "allreduces": timeline.num_ops,
+        "channels": plan.channels,
+        "plan_hash": plan.hash,
+    }
+
+
+def _run_zoo(args) -> None:
+    rows = []
+    for name in zoo_names():
+        profile = zoo(name)
+        rows.append({"model": name, "parameters": profile.num_parameters, "tensors": profile.num_tensors,
+                     "layers": len(profile.layers)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'model':<14}{'parameters':>14}{'tensors':>9}{'layers':>8}")
+    for row in rows:
+        print(f"{row['model']:<14}{row['parameters']:>14,}{row['tensors']:>9}{row['layers']:>8}")
+
+
+def _run_plan(args) -> None:
+    profile, cost = _profile(args), _cost(args)
+    plan = planners.get(args.scheduler)(profile, cost, **dict(args.option)).validate(profile)
+    timeline = simulate(plan, profile, cost)
+    if args.save:
+        with open(args.save, "w") as handle:
+            handle.write(plan.to_json(indent=1))
+    if args.timeline:
+        from .timeline_plot import plot_timeline
+
+        plot_timeline(timeline, args.timeline, f"{profile.name}: {plan.planner}")
+    summary = {**_summary(plan, timeline), "model": profile.name, "cost": cost.to_dict()}
+    if args.json:
+        print(json.dumps({**summary, "plan": plan.to_dict()}, indent=1))
+        return
+    print(f"{profile.name}: {plan.planner} on {cost.name} (a={cost.a:.4g} s, b={cost.b:.4g} s/B, γ={cost.gamma})")
+    print(f"  predicted iteration {summary['iteration_time_ms']:.3f} ms, non-overlapped communication "
+          f"{summary['noncovered_comm_ms']:.3f} ms, {summary['allreduces']} all-reduces on "
+          f"{summary['channels']} channel(s)")
+    print(f"  plan hash {plan.hash[:16]}")
+    for span, op in zip(timeline.ops, plan.ops):
+        first, last = op.slices[0].tensor, op.slices[-1].tensor
+        carried = first if first == last else f"{first} … {last}"
+        print(f"  op {span.op:>4} ch{span.channel} {span.phase:<8} {span.nbytes / 2**20:9.3f} MiB "
+              f"{span.start * 1e3:9.3f} → {span.end * 1e3:9.3f} ms  {carried}")
+    if args.timeline:
+        print(f"  timeline written to {args.timeline}")
+
+
+def _run_simulate(args) -> None:
+    profile, cost = _profile(args), _cost(args)
+    names = planners.names() if args.schedulers == "all" else [n.strip() for n in args.schedulers.split(",")]
+    rows = []
+    for name in names:
+        plan = planners.get(name)(profile, cost).validate(profile)
+        rows.append(_summary(plan, simulate(plan, profile, cost)))
+        if name == "auto":
+            rows[-1]["scheduler"] = f"auto ({plan.options['chosen']})"
+    baseline = simulate(planners.get("wfbp")(profile, cost), profile, cost).iteration_time * 1e3
+    for row in rows:
+        row["speedup_over_wfbp"] = baseline / row["iteration_time_ms"]
+    if args.json:
+        print(json.dumps({"model": profile.name, "cost": cost.to_dict(), "rows": rows}, indent=1))
+        return
+    print(f"{profile.name} on {cost.name} (a={cost.a:.4g} s, b={cost.b:.4g} s/B, γ={cost.gamma})")
+    print(f"{'scheduler':<26}{'iteration ms':>14}{'vs wfbp':>9}{'non-overlapped ms':>19}{'all-reduces':>13}")
+    for row in rows:
+        print(f"{row['scheduler']:<26}{row['iteration_time_ms']:>14.3f}{row['speedup_over_wfbp']:>8.3f}x"
+              f"{row['noncovered_comm_ms']:>19.3f}{row['allreduces']:>13}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        {"zoo": _run_zoo, "plan": _run_plan, "simulate": _run_simulate}[args.command](args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
