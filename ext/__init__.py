@@ -8,6 +8,7 @@ from .cost import CodecCost, CostModel
 from .errors import ConfigError
 from .plan import Op, Plan, Slice
 from .profile import ModelProfile
+from .runtime import IterationStats, NonFiniteGradient, no_sync, wrap
 from .simulate import Timeline, simulate
 
 __version__ = "0.1.0"
@@ -16,12 +17,16 @@ __all__ = [
     "CodecCost",
     "ConfigError",
     "CostModel",
+    "IterationStats",
+    "NonFiniteGradient",
     "ModelProfile",
     "Op",
     "Plan",
     "Slice",
     "Timeline",
+    "no_sync",
     "planners",
     "profile",
     "simulate",
+    "wrap",
 ]

@@ -1,0 +1,71 @@
+"""Run a function on N local ranks in fresh processes (gloo on CPU) and collect what each returns.
+
+Used by the benchmarks and tests; each call initialises and destroys its own process group, so
+calls can follow one another in one program (e.g. the jobs of a sweep).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, backend, threads, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException as exc:  # reported to the parent with its traceback
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout: float = 600.0,
+              return_errors: bool = False):
+    """`fn(rank, world_size, *args)` on every rank; the list of their return values.
+
+    A failing rank raises RankFailed, or with `return_errors` every rank's ("ok" | "error", value)
+    comes back instead. Ranks that do not report within `timeout` seconds are killed.
+    """
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_entry, args=(r, world_size, port, backend, threads, fn, args, queue))
+                 for r in range(world_size)]
+    for process in processes:
+        process.start()
+    results = {}
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            results[rank] = (status, value)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    if return_errors:
+        return [results[r] for r in range(world_size)]
+    failures = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]
+    if failures:
+        raise RankFailed("\n".join(failures))
+    return [results[r][1] for r in range(world_size)]

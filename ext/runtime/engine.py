@@ -1,0 +1,298 @@
+"""GradSync: attaches a plan's execution to a model with hooks, and steps the optimizer.
+
+Lifecycle of one iteration:
+1. forward: a module with deferred parameters first waits for their ops and applies their update;
+2. backward: each parameter's post-accumulate-grad hook marks it ready; ops launch in plan order
+   per channel as their slices become ready; when the backward pass ends, the remaining
+   (forward-phase) ops launch;
+3. ``optimizer.step()``: waits for the backward-phase ops and updates the parameters whose ops are
+   complete; the others are updated by step 1 of the next iteration.
+While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from .. import planners
+from ..cost import CostModel
+from ..errors import ConfigError
+from ..plan import BACKWARD, Plan
+from ..profile import ModelProfile
+from ..simulate import simulate
+from .channels import Channels
+from .executor import PlanExecutor
+from .layout import ParameterLayout
+from .optimizer import ParameterSubset, hyperparameters
+
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """One iteration as measured on this rank, beside the simulator's prediction (seconds)."""
+
+    iteration: int
+    iteration_time: float
+    comm_wait: float  # time blocked on communication: the non-overlapped part
+    bytes_sent: int
+    predicted_time: float | None
+
+    @property
+    def compute_time(self) -> float:
+        return max(0.0, self.iteration_time - self.comm_wait)
+
+
+class GradSync:
+    """The runtime attached to one model (see the module docstring)."""
+
+    def __init__(self, model, layout: ParameterLayout, channels: Channels, planner_name: str,
+                 planner_options: dict, nonfinite: str, broadcast_buffers: bool, trace=None):
+        self.model = model
+        self.layout = layout
+        self.channels = channels
+        self.planner_name = planner_name
+        self.planner_options = planner_options
+        self.nonfinite = nonfinite
+        self.broadcast_buffers = broadcast_buffers
+        self.trace = trace
+        self.enabled = True
+        self.in_backward = False
+        self.backward_synced = False
+        self.iteration = 0
+        self.history: list[IterationStats] = []
+        self.plan: Plan | None = None
+        self.profile: ModelProfile | None = None
+        self.cost: CostModel | None = None
+        self.predicted: float | None = None
+        self.executor: PlanExecutor | None = None
+        self.measurement = None
+        self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
+        self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
+        self.layer_subsets: dict[str, ParameterSubset] = {}
+        self.iteration_started = time.perf_counter()
+        self.comm_wait = 0.0
+        self.optimizer = None
+        self.handles = [model.register_forward_pre_hook(self._root_pre_forward)]
+        for name, parameter in layout.parameters.items():
+            self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
+        for module_name, module in layout.modules.items():
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward_for(module_name)))
+            if trace is not None:
+                self.handles.append(module.register_forward_hook(
+                    lambda _m, _i, _o, name=module_name: trace.forward_end(name)))
+        self.module_of = {name: m for m, names in layout.owners.items() for name in names}
+        _ATTACHED[model] = self
+
+    # -- planning ----------------------------------------------------------------------------------
+    def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None) -> Plan:
+        """Plan with `profile` and `cost` (equal on every rank), check the hash on every rank, and
+        make the plan the one executed from the next backward pass."""
+        name = planner_name or self.planner_name
+        plan = planners.get(name)(profile, cost, **self.planner_options).validate(profile)
+        self._check_same_plan(plan)
+        self.plan, self.profile, self.cost = plan, profile, cost
+        self.predicted = simulate(plan, profile, cost).iteration_time if cost is not None else None
+        self.executor = PlanExecutor(plan, self.layout.parameters, self.channels, self.nonfinite, self.trace)
+        return plan
+
+    def _check_same_plan(self, plan: Plan) -> None:
+        hashes = [None] * self.channels.world_size
+        dist.all_gather_object(hashes, plan.hash, group=self.channels.process_group)
+        if len(set(hashes)) > 1:
+            differing = [rank for rank, h in enumerate(hashes) if h != hashes[0]]
+            raise ConfigError(f"ranks {differing} built a different plan from rank 0 (plan hash mismatch); "
+                              "give every rank the same model, profile, cost and options")
+
+    def check_optimizer(self, optimizer) -> None:
+        self.layout.check_optimizer(optimizer)
+        self.optimizer = optimizer
+        self.layer_subsets = {m: ParameterSubset(optimizer, [self.layout.parameters[n] for n in names])
+                              for m, names in self.layout.owners.items()}
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _hook_for(self, name: str):
+        def hook(_parameter):
+            if not self.enabled:
+                return
+            if not self.in_backward:
+                self._begin_backward()
+            self.executor.mark_ready(name)
+            if self.measurement is not None:
+                self.measurement.gradient_ready(name)
+            if self.trace is not None:
+                self.trace.gradient_ready(self.module_of[name])
+        return hook
+
+    def _begin_backward(self) -> None:
+        self.flush_deferred()
+        self.in_backward = True
+        self.executor.start_iteration()
+        if self.trace is not None:
+            self.trace.mark("backward start")
+        Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        self.backward_synced = True
+        self.executor.end_backward()
+
+    def _root_pre_forward(self, _module, _inputs) -> None:
+        if self.broadcast_buffers:
+            buffers = [b for b in self.model.buffers() if b.numel()]
+            if buffers:
+                _broadcast_from_first(buffers, self.channels.process_group)
+        if self.measurement is not None:
+            self.measurement.forward_start()
+
+    def _pre_forward_for(self, module_name: str):
+        def pre_forward(_module, _inputs):
+            if module_name in self.pending:
+                self._apply_deferred(module_name)
+            if self.measurement is not None:
+                self.measurement.module_start(module_name)
+            if self.trace is not None:
+                self.trace.forward_start(module_name)
+        return pre_forward
+
+    # -- optimizer ---------------------------------------------------------------------------------
+    def step(self, optimizer) -> None:
+        if not self.backward_synced:
+            raise RuntimeError(
+                "optimizer.step() without a synchronised backward pass: call backward() outside "
+                "gradsync.no_sync() before stepping, or the replicas would diverge"
+            )
+        self.backward_synced = False
+        executor = self.executor
+        started = time.perf_counter()
+        if self.nonfinite == "skip":
+            executor.wait_all()
+        else:
+            executor.wait_phase(BACKWARD)
+        self.comm_wait += time.perf_counter() - started
+        if executor.skip_step:
+            self._finish_iteration()
+            return None
+        incomplete = [m for m, names in self.layout.owners.items() if not all(executor.complete(n) for n in names)]
+        if not incomplete:
+            optimizer.step()
+        else:
+            hyper = hyperparameters(optimizer)
+            complete = [p for m, names in self.layout.owners.items() if m not in incomplete
+                        for p in (self.layout.parameters[n] for n in names)]
+            ParameterSubset(optimizer, complete).step(optimizer)
+            self.pending = {m: hyper for m in incomplete}
+        self._finish_iteration()
+        return None
+
+    def _apply_deferred(self, module_name: str) -> None:
+        started = time.perf_counter()
+        for index in self.executor.pending_ops(self.layout.owners[module_name]):
+            self.executor.wait(index)
+        self.comm_wait += time.perf_counter() - started
+        hyper = self.pending.pop(module_name)
+        self.layer_subsets[module_name].step(self.optimizer, hyper)
+        if module_name in self.zero_after:
+            _zero(self.layout.owners[module_name], self.layout.parameters, self.zero_after.pop(module_name))
+
+    def flush_deferred(self) -> None:
+        """Apply every pending deferred update now, in layer order."""
+        for module_name in list(self.pending):
+            self._apply_deferred(module_name)
+
+    def flush(self) -> None:
+        """Wait for every launched op and apply every deferred update."""
+        if self.executor is not None and self.backward_synced:
+            self.executor.wait_all()
+        self.flush_deferred()
+
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        for module_name, names in self.layout.owners.items():
+            if module_name in self.pending:
+                self.zero_after[module_name] = set_to_none
+            else:
+                _zero(names, self.layout.parameters, set_to_none)
+        # parameters the optimizer holds outside the layout (frozen ones) follow the usual rule
+        known = {id(p) for p in self.layout.parameters.values()}
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if id(parameter) not in known and parameter.grad is not None:
+                    _zero_one(parameter, set_to_none)
+
+    def _finish_iteration(self) -> None:
+        now = time.perf_counter()
+        stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
+                               sum(s.buffer.numel() * s.buffer.element_size() for s in self.executor.ops),
+                               self.predicted)
+        self.history.append(stats)
+        if self.trace is not None:
+            self.trace.iteration(stats)
+        self.iteration += 1
+        self.iteration_started, self.comm_wait = now, 0.0
+        if self.measurement is not None:
+            self.measurement.iteration_done(self)
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def detach(self) -> None:
+        """Remove every hook, apply pending updates and release the channels."""
+        self.flush()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        _ATTACHED.pop(self.model, None)
+        if self.trace is not None:
+            self.trace.close()
+        self.channels.destroy()
+
+
+def _zero_one(parameter, set_to_none: bool) -> None:
+    if set_to_none:
+        parameter.grad = None
+    elif parameter.grad is not None:
+        parameter.grad.detach_()
+        parameter.grad.zero_()
+
+
+def _zero(names, parameters, set_to_none: bool) -> None:
+    for name in names:
+        _zero_one(parameters[name], set_to_none)
+
+
+def _broadcast_from_first(tensors, process_group) -> None:
+    """Give every rank the first rank's values of `tensors` (one broadcast per dtype)."""
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, src=source, group=process_group)
+        position = 0
+        with torch.no_grad():
+            for tensor in group:
+                tensor.copy_(flat[position:position + tensor.numel()].view_as(tensor))
+                position += tensor.numel()
+
+
+def attached(model) -> GradSync:
+    if model not in _ATTACHED:
+        raise ConfigError("this model was not wrapped with gradsync.wrap")
+    return _ATTACHED[model]
+
+
+@contextmanager
+def no_sync(model):
+    """Accumulate gradients locally inside the block, like DDP's ``no_sync``: the first backward
+    after it synchronises the accumulated gradients."""
+    sync = attached(model)
+    previous, sync.enabled = sync.enabled, False
+    try:
+        yield
+    finally:
+        sync.enabled = previous

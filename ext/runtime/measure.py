@@ -1,0 +1,165 @@
+"""Measuring the model's per-layer times and the network's all-reduce cost on the live job.
+
+Per-layer times follow the MG-WFBP authors' method: hooks time each layer while the first
+iterations run as WFBP (with a device synchronise on GPU); the backward time of a layer is the gap
+between its gradients becoming ready and those of the layer after it. The cost model is fitted from
+timed all-reduces of several sizes, and γ from pairs run at once on two channels (asc-wfbp eq. 9).
+Rank 0's numbers are broadcast so that every rank plans with the same inputs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..cost import CostModel
+from ..profile import ModelProfile
+from .channels import Channels
+from .layout import ParameterLayout
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class LayerTimer:
+    """Forward and backward time per owning module over the iterations it is told to count."""
+
+    def __init__(self, layout: ParameterLayout):
+        self.layout = layout
+        self.device = next(iter(layout.parameters.values())).device
+        self.module_of = {name: m for m, names in layout.owners.items() for name in names}
+        self.order: list[str] = []
+        self.forward_ends: dict[str, float] = {}
+        self.ready: dict[str, float] = {}
+        self.forward_samples: dict[str, list[float]] = {m: [] for m in layout.owners}
+        self.backward_samples: dict[str, list[float]] = {m: [] for m in layout.owners}
+        self.forward_begin = 0.0
+        self.handles = [module.register_forward_hook(self._forward_end_for(name))
+                        for name, module in layout.modules.items()]
+
+    def forward_start(self) -> None:
+        self.forward_begin = _now(self.device)
+        self.order, self.forward_ends, self.ready = [], {}, {}
+
+    def module_start(self, module_name: str) -> None:
+        if module_name not in self.forward_ends and module_name not in self.order:
+            self.order.append(module_name)
+
+    def _forward_end_for(self, module_name: str):
+        def forward_end(_module, _inputs, _output):
+            self.forward_ends.setdefault(module_name, _now(self.device))
+        return forward_end
+
+    def gradient_ready(self, name: str) -> None:
+        self.ready[self.module_of[name]] = _now(self.device)
+
+    def count_iteration(self) -> None:
+        """Turn this iteration's timestamps into per-layer samples."""
+        previous = self.forward_begin
+        for module_name, end in sorted(self.forward_ends.items(), key=lambda item: item[1]):
+            self.forward_samples[module_name].append(end - previous)
+            previous = end
+        previous = max(self.forward_ends.values(), default=self.forward_begin)
+        for module_name, ready in sorted(self.ready.items(), key=lambda item: item[1]):
+            self.backward_samples[module_name].append(ready - previous)
+            previous = ready
+
+    def profile(self, name: str) -> ModelProfile:
+        def mean(samples):
+            return statistics.fmean(samples) if samples else 0.0
+
+        return self.layout.profile(
+            name,
+            self.order,
+            {m: mean(s) for m, s in self.forward_samples.items()},
+            {m: mean(s) for m, s in self.backward_samples.items()},
+        )
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
+                 repeats: int = 5) -> CostModel:
+    """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1.
+
+    Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
+    at most 64 MiB). Each size's time is the median of `repeats` runs, maximised over ranks (the
+    slowest rank is the one the others wait for).
+    """
+    element = torch.tensor([], dtype=dtype).element_size()
+    largest = max(4 << 20, min(int(largest_bytes), 64 << 20))
+    sizes = []
+    size = 4096
+    while size < largest:
+        sizes.append(size)
+        size *= 4
+    sizes.append(largest)
+    buffers = {s: torch.ones(max(1, s // element), dtype=dtype, device=device) for s in sizes}
+
+    def timed(size: int, channel_list: list[int]) -> float:
+        samples = []
+        for _ in range(repeats + 1):
+            started = _now(buffers[size].device)
+            works = [channels.all_reduce(c, buffers[size] if c == 0 else buffers[size].clone()) for c in channel_list]
+            for work in works:
+                work.wait()
+            samples.append(_now(buffers[size].device) - started)
+        return statistics.median(samples[1:])
+
+    times = [timed(s, [0]) for s in sizes]
+    pair_sizes = sizes[-2:] if len(channels) > 1 else []
+    pair_times = [timed(s, [0, 1]) for s in pair_sizes]
+    slowest = torch.tensor(times + pair_times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
+    measured = slowest.tolist()
+    byte_sizes = [buffers[s].numel() * element for s in sizes]
+    return CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
+                         measured[len(sizes):], name="measured", clamp=True)
+
+
+def share_from_first(value, process_group):
+    """Rank 0's `value` on every rank (any picklable object)."""
+    box = [value]
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast_object_list(box, src=source, group=process_group)
+    return box[0]
+
+
+class ProfileCalibration:
+    """Runs `warmup` + `iterations` iterations under the initial plan, timing layers in the last
+    `iterations`, then installs the planner's plan built on rank 0's measured profile."""
+
+    def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str):
+        self.timer = LayerTimer(layout)
+        self.cost = cost
+        self.warmup = warmup
+        self.iterations = iterations
+        self.name = name
+        self.seen = 0
+
+    def forward_start(self) -> None:
+        self.timer.forward_start()
+
+    def module_start(self, module_name: str) -> None:
+        self.timer.module_start(module_name)
+
+    def gradient_ready(self, name: str) -> None:
+        self.timer.gradient_ready(name)
+
+    def iteration_done(self, sync) -> None:
+        self.seen += 1
+        if self.seen > self.warmup:
+            self.timer.count_iteration()
+        if self.seen < self.warmup + self.iterations:
+            return
+        self.timer.remove()
+        measured = share_from_first(self.timer.profile(self.name).to_dict(), sync.channels.process_group)
+        sync.measurement = None
+        sync.install_plan(ModelProfile.from_dict(measured), self.cost)

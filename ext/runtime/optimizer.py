@@ -1,0 +1,102 @@
+"""SyncedOptimizer: the user's optimizer, stepped after gradsync has averaged the gradients.
+
+It can update a subset of the parameters at a time (the rest wait for their forward-phase ops):
+the wrapped optimizer's parameter lists are swapped for the subset's for the duration of one
+``step``, which works for every torch optimizer whose update is per parameter (SGD, Adam, AdamW,
+RMSprop, ...). Deferred updates use the hyper-parameters the groups had when ``step`` was called,
+so an LR scheduler stepping in between does not leak into them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import GradSync
+
+
+class ParameterSubset:
+    """The parameters of `names`, split by the wrapped optimizer's groups."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.nn.Parameter]):
+        wanted = {id(p) for p in parameters}
+        self.per_group = [[p for p in group["params"] if id(p) in wanted] for group in optimizer.param_groups]
+
+    def step(self, optimizer: torch.optim.Optimizer, hyper: list[dict] | None = None) -> None:
+        """One ``optimizer.step()`` restricted to this subset, with `hyper` as the groups' settings."""
+        groups = optimizer.param_groups
+        saved = [(group["params"], {k: group[k] for k in (hyper[i] if hyper else ())}) for i, group in enumerate(groups)]
+        try:
+            for i, group in enumerate(groups):
+                group["params"] = self.per_group[i]
+                if hyper:
+                    group.update(hyper[i])
+            optimizer.step()
+        finally:
+            for group, (params, settings) in zip(groups, saved):
+                group["params"] = params
+                group.update(settings)
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """A snapshot of every group's settings except its parameter list."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+class SyncedOptimizer(torch.optim.Optimizer):
+    """Behaves like the wrapped optimizer; `step` first completes gradsync's synchronisation.
+
+    Attributes it does not define itself (hooks, private state) are the wrapped optimizer's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: "GradSync"):  # noqa: super() is the wrapped one
+        self.__dict__["optimizer"] = optimizer
+        self.__dict__["sync"] = sync
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"SyncedOptimizer({self.optimizer!r})"
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("SyncedOptimizer.step takes no closure: gradients come from one backward pass")
+        return self.sync.step(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sync.zero_grad(self.optimizer, set_to_none)
+
+    def synchronize(self) -> None:
+        """Finish every outstanding op and deferred update now (before reading all gradients,
+        clipping them, or checkpointing)."""
+        self.sync.flush()
+
+    def state_dict(self):
+        self.sync.flush()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.sync.flush()
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        self.optimizer.add_param_group(param_group)
+        self.sync.check_optimizer(self.optimizer)

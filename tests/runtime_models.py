@@ -1,0 +1,54 @@
+"""A small model with everything the runtime must handle: a convolution, batch norm, an embedding
+whose weight is tied to the output layer, a frozen layer, a branch no rank uses and a branch only
+rank 0 uses."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradsync import CostModel
+from gradsync.runtime.layout import ParameterLayout
+
+VOCAB, WIDTH, LENGTH, BATCH = 24, 16, 10, 6
+
+
+class TiedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.conv = nn.Conv1d(WIDTH, WIDTH, 3, padding=1)
+        self.norm = nn.BatchNorm1d(WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+        self.rank0_only = nn.Linear(WIDTH, WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, use_rank0_branch: bool = False):
+        x = self.embed(tokens).transpose(1, 2)
+        x = torch.relu(self.norm(self.conv(x))).mean(-1)
+        x = self.frozen(x)
+        if use_rank0_branch:
+            x = x + self.rank0_only(x)
+        return self.head(torch.tanh(self.mix(x)))
+
+
+def batch(rank: int, step: int):
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
+    targets = torch.randint(0, VOCAB, (BATCH,), generator=generator)
+    return tokens, targets
+
+
+def synthetic_profile(model: nn.Module):
+    """Forward order of TiedNet with made-up times (ms scale), so planners build varied plans."""
+    layout = ParameterLayout.of(model)
+    order = ["embed", "conv", "norm", "rank0_only", "mix", "head", "unused"]
+    forward = {m: 1e-3 for m in layout.owners}
+    backward = {m: 2e-3 * (1 + i % 3) for i, m in enumerate(order)}
+    return layout.profile("tiednet", order, forward, backward)
+
+
+COST = CostModel(1e-3, 1e-7, gamma=1.3)

@@ -1,0 +1,236 @@
+"""Runtime behaviour beyond plain equivalence: accumulation, checkpoints, measurement, faults."""
+import copy
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync import ConfigError, CostModel
+from gradsync.runtime import attached
+from gradsync.launch import run_local
+from runtime_models import COST, TiedNet, batch, synthetic_profile
+
+
+def _loss(model, rank, step):
+    tokens, targets = batch(rank, step)
+    return F.cross_entropy(model(tokens, use_rank0_branch=rank == 0), targets)
+
+
+def no_sync_matches_ddp(rank, world_size):
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="us_byte",
+                                     profile=synthetic_profile(model), cost=COST, partition_bytes=256)
+    with gradsync.no_sync(model):
+        _loss(model, rank, 0).backward()
+    _loss(model, rank, 1).backward()
+    optimizer.synchronize()
+    with reference.no_sync():
+        _loss(reference, rank, 0).backward()
+    _loss(reference, rank, 1).backward()
+    return max((p.grad - q.grad).abs().max().item()
+               for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None)
+
+
+def test_no_sync_accumulation_matches_ddp():
+    assert max(run_local(no_sync_matches_ddp, 2)) < 1e-6
+
+
+def checkpoint_resume(rank, world_size, path):
+    """10 steps straight vs 5 steps, checkpoint, fresh model and optimizer, load, 5 more steps."""
+    def train(model, optimizer, steps):
+        for step in steps:
+            optimizer.zero_grad()
+            _loss(model, rank, step).backward()
+            optimizer.step()
+
+    def fresh():
+        torch.manual_seed(3)
+        model = TiedNet()
+        return gradsync.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), scheduler="bytescheduler",
+                             profile=synthetic_profile(model), cost=COST, partition_bytes=256)
+
+    model, optimizer = fresh()
+    train(model, optimizer, range(10))
+    optimizer.synchronize()
+    straight = [p.detach().clone() for p in model.parameters()]
+    attached(model).detach()
+
+    model, optimizer = fresh()
+    train(model, optimizer, range(5))
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if rank == 0:
+        torch.save(checkpoint, path)
+    attached(model).detach()
+    torch.distributed.barrier()
+    model, optimizer = fresh()
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    train(model, optimizer, range(5, 10))
+    optimizer.synchronize()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), straight))
+
+
+def test_checkpoint_mid_run_resumes_exactly(tmp_path):
+    assert max(run_local(checkpoint_resume, 2, str(tmp_path / "ckpt.pt"))) == 0.0
+
+
+def measured_plan(rank, world_size):
+    torch.manual_seed(0)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
+                                     warmup_iterations=1, measure_iterations=2)
+    sync = attached(model)
+    for step in range(4):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+    profile = sync.profile
+    result = {
+        "planner": sync.plan.planner, "hash": sync.plan.hash, "a": sync.cost.a, "b": sync.cost.b,
+        "gamma": sync.cost.gamma, "layers": [layer.name for layer in profile.layers],
+        "forward": [layer.forward_time for layer in profile.layers],
+        "backward": [layer.backward_time for layer in profile.layers],
+        "iterations": len(sync.history),
+    }
+    sync.detach()
+    return result
+
+
+def test_measured_profile_and_cost_are_sane_and_agree():
+    results = run_local(measured_plan, 2)
+    first = results[0]
+    assert first["planner"] == "mg_wfbp"
+    assert all(r["hash"] == first["hash"] and r["layers"] == first["layers"] for r in results)
+    # layers in forward execution order; the never-used branch keeps registration order after them
+    assert first["layers"][:6] == ["embed", "conv", "norm", "rank0_only", "mix", "head"]
+    assert first["layers"][-1] == "unused"
+    assert 0 < first["a"] < 0.1 and 0 < first["b"] < 1e-6 and first["gamma"] >= 1
+    assert all(t > 0 for t in first["forward"][:6]) and all(t >= 0 for t in first["backward"])
+    assert first["iterations"] == 4
+
+
+def different_costs(rank, world_size):
+    model = TiedNet()
+    startup = 1e-6 if rank == 0 else 1.0  # rank 1 merges everything, rank 0 nothing
+    gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
+                  profile=synthetic_profile(model), cost=CostModel(startup, 1e-9))
+    return "wrapped"
+
+
+def test_plan_hash_mismatch_names_the_ranks():
+    outcomes = run_local(different_costs, 2, return_errors=True)
+    assert len(outcomes) == 2, outcomes
+    assert all(status == "error" and "ranks [1]" in text and "plan hash" in text for status, text in outcomes)
+
+
+def dies_after_wrap(rank, world_size):
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     profile=synthetic_profile(model), cost=COST, timeout=20)
+    if rank == 1:
+        raise RuntimeError("rank 1 crashed")
+    started = time.monotonic()
+    try:
+        _loss(model, rank, 0).backward()
+        optimizer.step()
+    except Exception as exc:  # the collective must fail, not hang
+        return f"failed after {time.monotonic() - started:.1f}s: {type(exc).__name__}"
+    return "finished"
+
+
+def test_a_dying_rank_makes_the_others_fail_not_hang():
+    outcomes = run_local(dies_after_wrap, 2, return_errors=True, timeout=120)
+    assert outcomes[1][0] == "error" and "rank 1 crashed" in outcomes[1][1]
+    assert outcomes[0][0] == "ok" and outcomes[0][1].startswith("failed after"), outcomes[0]
+
+
+def non_finite(rank, world_size, mode):
+    torch.manual_seed(0)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
+                                     profile=synthetic_profile(model), cost=COST, nonfinite=mode)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = _loss(model, rank, 0)
+    if rank == 1:
+        loss = loss + model.mix.bias.sum() * float("inf")
+    loss.backward()
+    try:
+        optimizer.step()
+    except gradsync.NonFiniteGradient as exc:
+        return f"raised: {exc}"
+    return "unchanged" if all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) else "updated"
+
+
+def test_non_finite_gradient_raises_naming_the_parameter_on_every_rank():
+    for result in run_local(non_finite, 2, "raise"):
+        assert result.startswith("raised") and "mix.bias" in result
+
+
+def test_non_finite_gradient_skips_the_step_on_every_rank():
+    assert run_local(non_finite, 2, "skip") == ["unchanged", "unchanged"]
+
+
+def traced(rank, world_size, path):
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="bytescheduler",
+                                     profile=synthetic_profile(model), cost=COST, trace=path, partition_bytes=256)
+    for step in range(2):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+    stats = attached(model).history[-1]
+    attached(model).detach()
+    return stats.bytes_sent, stats.iteration_time, stats.predicted_time
+
+
+def test_trace_and_stats(tmp_path):
+    results = run_local(traced, 2, str(tmp_path / "trace.json"))
+    for rank, (sent, iteration_time, predicted) in enumerate(results):
+        events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())["traceEvents"]
+        spans = [e["name"] for e in events if e["ph"] == "X"]
+        assert any(s.startswith("forward embed") for s in spans)
+        assert any(s.startswith("backward head") for s in spans)
+        ops = [e for e in events if e["ph"] == "X" and e["name"].startswith("op ")]
+        assert {e["tid"] for e in ops} == {1, 2} and all(e["args"]["bytes"] > 0 for e in ops)
+        assert sent > 0 and iteration_time > 0 and predicted > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"scheduler": "fastest"}, "mg_wfbp"),
+        ({"channels": 0}, "'channels'"),
+        ({"nonfinite": "hope"}, "'nonfinite'"),
+        ({"scheduler": "us_byte", "partition_bytes": -1}, "partition_bytes"),
+        ({"scheduler": "wfbp", "bucket": 3}, "unknown option"),
+        ({"compressor": "zip"}, "compressor"),
+        ({"profile": "/nonexistent.json"}, "no such file"),
+    ],
+)
+def test_bad_arguments_fail_before_any_collective(kwargs, message):
+    model = TiedNet()  # torch.distributed is not initialised here: any collective would fail differently
+    with pytest.raises(ConfigError, match=message):
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_foreign_optimizer_parameters_and_frozen_models_are_refused():
+    model = TiedNet()
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not trainable parameters of the model"):
+        gradsync.wrap(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        gradsync.wrap(frozen, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_profile_that_does_not_match_the_model_is_refused():
+    model = TiedNet()
+    wrong = synthetic_profile(torch.nn.Sequential(torch.nn.Linear(3, 3)))
+    with pytest.raises(ConfigError, match="does not match the model"):
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile=wrong, cost=COST)

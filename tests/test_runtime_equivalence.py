@@ -1,0 +1,93 @@
+"""The runtime gives exactly torch DDP's gradients and training trajectory, for every scheduler."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync import planners
+from gradsync.runtime import attached
+from gradsync.launch import run_local
+from runtime_models import COST, TiedNet, batch, synthetic_profile
+
+SMALL_BLOCKS = {"bytescheduler": {"partition_bytes": 256}, "us_byte": {"partition_bytes": 256}}
+SCHEDULERS = [n for n in planners.names()]
+
+
+def _models(seed: int = 0):
+    torch.manual_seed(seed)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    return model, reference
+
+
+def _loss(model, rank, step):
+    tokens, targets = batch(rank, step)
+    return F.cross_entropy(model(tokens, use_rank0_branch=rank == 0), targets)
+
+
+def _grads(model):
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def gradients_match_ddp(rank, world_size):
+    """One backward per scheduler; every gradient equals DDP's (None where DDP's is None)."""
+    mismatches = []
+    for name in SCHEDULERS:
+        model, reference = _models()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = gradsync.wrap(model, optimizer, scheduler=name, profile=synthetic_profile(model),
+                                         cost=COST, **SMALL_BLOCKS.get(name, {}))
+        _loss(model, rank, 0).backward()
+        optimizer.synchronize()
+        _loss(reference, rank, 0).backward()
+        ours, theirs = _grads(model), _grads(reference.module)
+        for key in theirs:
+            if (ours[key] is None) != (theirs[key] is None):
+                mismatches.append(f"{name}: {key} None-ness differs")
+            elif ours[key] is not None and not torch.allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-7):
+                mismatches.append(f"{name}: {key} differs by {(ours[key] - theirs[key]).abs().max():.3g}")
+        attached(model).detach()
+    return mismatches
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_scheduler_gives_ddp_gradients(world_size):
+    for mismatches in run_local(gradients_match_ddp, world_size):
+        assert mismatches == []
+
+
+def training_matches_ddp(rank, world_size, schedulers, optimizer_name):
+    """20 steps with the given optimizer; final parameters equal DDP's."""
+    make = {
+        "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3),
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    }[optimizer_name]
+    errors = {}
+    for name in schedulers:
+        model, reference = _models(seed=1)
+        model, optimizer = gradsync.wrap(model, make(model.parameters()), scheduler=name,
+                                         profile=synthetic_profile(model), cost=COST, **SMALL_BLOCKS.get(name, {}))
+        ref_optimizer = make(reference.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_optimizer, step_size=5, gamma=0.5)
+        for step in range(20):
+            optimizer.zero_grad()
+            _loss(model, rank, step).backward()
+            optimizer.step()
+            scheduler.step()
+            ref_optimizer.zero_grad()
+            _loss(reference, rank, step).backward()
+            ref_optimizer.step()
+            ref_scheduler.step()
+        optimizer.synchronize()
+        errors[name] = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+        attached(model).detach()
+    return errors
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_twenty_steps_reach_ddp_parameters(optimizer_name):
+    for errors in run_local(training_matches_ddp, 2, SCHEDULERS, optimizer_name):
+        assert errors and max(errors.values()) < 1e-5, errors
