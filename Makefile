@@ -24,6 +24,8 @@ test: install
 
 bench: install
 	$(PY) benchmarks/planner_speed.py
+	$(PY) benchmarks/reproduce_planners.py > /dev/null && echo "wrote benchmarks/results/reproduce_planners.md"
+	$(PY) benchmarks/overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
