@@ -234,3 +234,86 @@ def test_profile_that_does_not_match_the_model_is_refused():
     wrong = synthetic_profile(torch.nn.Sequential(torch.nn.Linear(3, 3)))
     with pytest.raises(ConfigError, match="does not match the model"):
         gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile=wrong, cost=COST)
+
+
+def broadcast_at_wrap(rank, world_size, profile_path, cost_path):
+    torch.manual_seed(rank)  # every rank starts from different weights and statistics
+    model = TiedNet()
+    model.norm.running_mean.fill_(float(rank))
+    model, _ = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="optimal_merge",
+                             profile=profile_path, cost=cost_path)
+    flat = torch.cat([t.detach().reshape(-1) for t in list(model.parameters()) + list(model.buffers())])
+    gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, flat)
+    attached(model).detach()
+    return all(torch.equal(g, gathered[0]) for g in gathered), float(model.norm.running_mean[0])
+
+
+def test_parameters_and_buffers_come_from_rank_0_and_inputs_load_from_json(tmp_path):
+    profile_path, cost_path = tmp_path / "profile.json", tmp_path / "cost.json"
+    synthetic_profile(TiedNet()).save(profile_path)
+    cost_path.write_text(json.dumps(COST.to_dict()))
+    results = run_local(broadcast_at_wrap, 3, str(profile_path), str(cost_path))
+    assert results == [(True, 0.0)] * 3
+
+
+class _FakeChannels:
+    world_size = 2
+
+    def __len__(self):
+        return 2
+
+
+def _executor_for(model, plan):
+    from gradsync.runtime.executor import PlanExecutor
+    from gradsync.runtime.layout import ParameterLayout
+
+    return PlanExecutor(plan, ParameterLayout.of(model).parameters, _FakeChannels())
+
+
+def test_an_op_never_mixes_gradient_dtypes():
+    from gradsync import Op, Plan, Slice
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False))
+    model[0].half()
+    model[1].bfloat16()
+    plan = Plan((Op((Slice("1.weight", 0, 4), Slice("0.weight", 0, 4))),))
+    with pytest.raises(ConfigError, match="mixes gradient dtypes"):
+        _executor_for(model, plan)
+
+
+@pytest.mark.parametrize("field, value", [("transport", "forest"), ("codec", "acp_sgd")])
+def test_transports_and_codecs_the_runtime_lacks_are_refused(field, value):
+    from gradsync import Op, Plan, Slice
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    plan = Plan((Op((Slice("weight", 0, 4),), **{field: value}),))
+    with pytest.raises(ConfigError, match=value):
+        _executor_for(model, plan)
+
+
+def nccl_single_rank(rank, world_size):
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = TiedNet().cuda()
+    reference = copy.deepcopy(model)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="us_byte",
+                                     partition_bytes=256, warmup_iterations=1, measure_iterations=1)
+    tokens, targets = (t.cuda() for t in batch(0, 0))
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(tokens), targets).backward()
+        optimizer.step()
+    optimizer.synchronize()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        ref_optimizer.zero_grad()
+        F.cross_entropy(reference(tokens), targets).backward()
+        ref_optimizer.step()
+    attached(model).detach()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_nccl_training_matches_single_process():
+    assert run_local(nccl_single_rank, 1, backend="nccl")[0] < 1e-5

@@ -17,6 +17,9 @@ from ..errors import ConfigError
 from ..plan import BACKWARD, Plan, ops_by_channel
 from .channels import Channels
 
+SUPPORTED_TRANSPORTS = ("allreduce",)
+SUPPORTED_CODECS = ("identity",)
+
 
 @dataclass
 class _OpState:
@@ -60,8 +63,15 @@ class PlanExecutor:
 
     def _op_state(self, op) -> _OpState:
         tensors = op.tensors()
+        if op.transport not in SUPPORTED_TRANSPORTS or op.codec not in SUPPORTED_CODECS:
+            raise ConfigError(f"the runtime executes transports {SUPPORTED_TRANSPORTS} and codecs "
+                              f"{SUPPORTED_CODECS}; an op asks for transport {op.transport!r}, codec {op.codec!r}")
+        dtypes = {self.parameters[name].dtype for name in tensors}
+        if len(dtypes) > 1:
+            raise ConfigError(f"an op mixes gradient dtypes {sorted(map(str, dtypes))} ({tensors[:4]}): "
+                              "they cannot share a fusion buffer")
         numel = op.numel()
-        dtype = self.parameters[tensors[0]].dtype
+        dtype = dtypes.pop()
         device = self.parameters[tensors[0]].device
         slices, position = [], 0
         for s in op.slices:
