@@ -79,7 +79,7 @@ def wrap(
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
 
     group = process_group
-    _broadcast_from_first(list(layout.parameters.values()) + [b for b in model.buffers() if b.numel()], group)
+    _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], group)
     channel_groups = Channels(channel_count, group, timedelta(seconds=timeout))
     writer = ChromeTrace(trace, dist.get_rank(group)) if trace else None
     sync = GradSync(model, layout, channel_groups, scheduler, planner_options, nonfinite, broadcast_buffers, writer)
