@@ -26,6 +26,9 @@ setup(
     package_dir=FOLDERS,
     package_data={"gradsync.recipes": ["**/*.yaml"]},
     install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml"],
-    extras_require={"dev": ["pytest>=8", "pytest-timeout"]},
+    extras_require={
+        "triton": ["triton==3.9.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "scikit-learn"],
+    },
     entry_points={"console_scripts": ["gradsync=gradsync.cli:main"]},
 )
