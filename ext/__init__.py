@@ -4,7 +4,7 @@ Plans are data: a planner turns a model profile and a cost model into a Plan, th
 predicts its iteration, and the runtime executes it on torch.distributed.
 """
 from . import planners, profile
-from .cost import CodecCost, CostModel
+from .cost import CostModel
 from .errors import ConfigError
 from .plan import Op, Plan, Slice
 from .profile import ModelProfile
@@ -14,7 +14,6 @@ from .simulate import Timeline, simulate
 __version__ = "0.1.0"
 
 __all__ = [
-    "CodecCost",
     "ConfigError",
     "CostModel",
     "IterationStats",

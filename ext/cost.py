@@ -7,21 +7,12 @@ us-byte eq. 1 (an empty all-reduce costs nothing) and eq. 14 (ring).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
 from .errors import ConfigError, unknown_name
-
-
-@dataclass(frozen=True)
-class CodecCost:
-    """What a codec does to an op: bytes on the wire are `wire_ratio` × raw bytes, and encoding
-    plus decoding take `seconds_per_element` per gradient element."""
-
-    wire_ratio: float = 1.0
-    seconds_per_element: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -34,9 +25,6 @@ class FitReport:
     max_relative_error: float
 
 
-IDENTITY = CodecCost()
-
-
 @dataclass(frozen=True)
 class CostModel:
     """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9)."""
@@ -45,7 +33,6 @@ class CostModel:
     b: float
     gamma: float = 1.0
     name: str = "custom"
-    codecs: Mapping[str, CodecCost] = field(default_factory=dict, compare=False)
     fit_report: FitReport | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -63,16 +50,6 @@ class CostModel:
     def penalty(self, overlapped_bytes: float) -> float:
         """Extra time of an all-reduce whose `overlapped_bytes` travel beside another (asc-wfbp eq. 11)."""
         return (self.gamma - 1.0) * self.b * overlapped_bytes
-
-    def codec(self, name: str) -> CodecCost:
-        if name == "identity":
-            return self.codecs.get(name, IDENTITY)
-        if name not in self.codecs:
-            raise unknown_name("codec for this cost model", name, {"identity", *self.codecs})
-        return self.codecs[name]
-
-    def with_codecs(self, codecs: Mapping[str, CodecCost]) -> "CostModel":
-        return replace(self, codecs={**self.codecs, **codecs})
 
     def to_dict(self) -> dict:
         return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma}

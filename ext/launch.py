@@ -41,7 +41,8 @@ def _entry(rank, world_size, port, backend, threads, fn, args, queue):
 
 def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout: float = 600.0,
               return_errors: bool = False):
-    """`fn(rank, world_size, *args)` on every rank; the list of their return values.
+    """`fn(rank, world_size, *args)` on every rank; the list of their return values (plain Python
+    values: tensors would not outlive the rank's process).
 
     A failing rank raises RankFailed, or with `return_errors` every rank's ("ok" | "error", value)
     comes back instead. Ranks that do not report within `timeout` seconds are killed.

@@ -3,12 +3,14 @@
 Time 0 is the start of the backward pass (us-byte §3). Layers run backward from output to input
 (us-byte eq. 2). An op becomes ready when all its slices are computed (and, for forward-phase ops,
 when the backward pass has ended: us-byte eq. 9); it starts once ready and once the op before it on
-its channel has finished (eq. 3). An op lasts ``a`` (start-up, plus codec compute) and then
-transmits ``b·bytes`` of work; while k ops transmit at once each progresses at 1/s(k) of its solo
+its channel has finished (eq. 3). An op lasts ``a`` (start-up) and then transmits ``b·bytes`` of
+work; while k ops transmit at once each progresses at 1/s(k) of its solo
 rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
 the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
 done; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
+Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
+sizes as they travel, codec compute folded into the layers' times.
 """
 from __future__ import annotations
 
@@ -85,10 +87,8 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         ready[index] = max(ready_times[layer_of[s.tensor]] for s in op.slices)
         if op.phase == FORWARD:
             ready[index] = max(ready[index], backward_end)
-        codec = cost.codec(op.codec)
-        raw = sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
-        nbytes[index] = int(round(raw * codec.wire_ratio))
-        fixed[index] = cost.a + codec.seconds_per_element * op.numel()
+        nbytes[index] = sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
+        fixed[index] = cost.a
         work[index] = cost.b * nbytes[index]
 
     queues = {channel: list(reversed(indices)) for channel, indices in ops_by_channel(plan.ops).items()}

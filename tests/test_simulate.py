@@ -68,18 +68,6 @@ def test_one_channel_ignores_gamma():
     assert simulate(plan, profile, high_gamma).iteration_time == simulate(plan, profile, COST).iteration_time
 
 
-def test_codec_changes_bytes_and_adds_compute():
-    from gradsync import CodecCost
-
-    profile = toy_profile([(1000, 0, 0)])
-    cost = COST.with_codecs({"half": CodecCost(wire_ratio=0.5, seconds_per_element=1e-6)})
-    plan = Plan((Op((Slice("t0", 0, 1000),), codec="half"),))
-    timeline = simulate(plan, profile, cost)
-    # 1 ms start-up + 1 ms codec + 2000 bytes · 1 µs
-    assert timeline.ops[0].nbytes == 2000
-    assert timeline.iteration_time == pytest.approx(4 * MS)
-
-
 def test_slowdown_model():
     assert contention_slowdown(1.5, 1) == 1.0
     assert contention_slowdown(1.5, 2) == 1.5

@@ -14,15 +14,23 @@ _DTYPE_BYTES = {1, 2, 4, 8}
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One gradient tensor: a unique name, its element count and bytes per element."""
+    """One gradient tensor: a unique name, its element count, bytes per element and, when known,
+    its shape (compressors view a tensor as a matrix (shape[0], numel / shape[0]))."""
 
     name: str
     numel: int
     bytes_per_element: int = 4
+    shape: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.bytes_per_element
+
+    def matrix_shape(self) -> tuple[int, int] | None:
+        """(n, m) for a tensor of two or more dimensions, else None (vectors are never compressed)."""
+        if self.shape is None or len(self.shape) < 2:
+            return None
+        return self.shape[0], self.numel // self.shape[0]
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,9 @@ class ModelProfile:
                 seen.add(tensor.name)
                 if not isinstance(tensor.numel, int) or tensor.numel <= 0:
                     raise ConfigError(f"{where}: tensor {tensor.name!r} 'numel' must be a positive integer")
+                if tensor.shape is not None and math.prod(tensor.shape) != tensor.numel:
+                    raise ConfigError(f"{where}: tensor {tensor.name!r} 'shape' {list(tensor.shape)} "
+                                      f"does not hold 'numel' {tensor.numel} elements")
                 if tensor.bytes_per_element not in _DTYPE_BYTES:
                     raise ConfigError(
                         f"{where}: tensor {tensor.name!r} 'bytes_per_element' must be one of "
@@ -148,10 +159,7 @@ class ModelProfile:
                     "name": l.name,
                     "forward_time": l.forward_time,
                     "backward_time": l.backward_time,
-                    "tensors": [
-                        {"name": t.name, "numel": t.numel, "bytes_per_element": t.bytes_per_element}
-                        for t in l.tensors
-                    ],
+                    "tensors": [_tensor_dict(t) for t in l.tensors],
                 }
                 for l in self.layers
             ],
@@ -178,7 +186,11 @@ class ModelProfile:
             for t_index, t in enumerate(entry["tensors"]):
                 if not isinstance(t, dict) or "name" not in t or "numel" not in t:
                     raise ConfigError(f"{where}.tensors[{t_index}]: needs 'name' and 'numel'")
-                tensors.append(TensorSpec(str(t["name"]), t["numel"], t.get("bytes_per_element", 4)))
+                shape = t.get("shape")
+                if shape is not None and (not isinstance(shape, list) or not all(isinstance(d, int) for d in shape)):
+                    raise ConfigError(f"{where}.tensors[{t_index}]: 'shape' must be a list of integers")
+                tensors.append(TensorSpec(str(t["name"]), t["numel"], t.get("bytes_per_element", 4),
+                                          None if shape is None else tuple(shape)))
             layers.append(
                 LayerProfile(str(entry["name"]), tuple(tensors), entry["forward_time"], entry["backward_time"])
             )
@@ -194,3 +206,10 @@ class ModelProfile:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"profile JSON {str(path)!r} is malformed: {exc}") from exc
         return cls.from_dict(data)
+
+
+def _tensor_dict(tensor: TensorSpec) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": tensor.name, "numel": tensor.numel, "bytes_per_element": tensor.bytes_per_element}
+    if tensor.shape is not None:
+        data["shape"] = list(tensor.shape)
+    return data

@@ -88,7 +88,7 @@ class _ForwardWalk:
             if fresh:
                 self.names.append(self.module_names[module])
                 self.tensors.append(
-                    tuple(TensorSpec(self.parameter_names[id(p)], p.numel(), p.element_size()) for p in fresh)
+                    tuple(TensorSpec(self.parameter_names[id(p)], p.numel(), p.element_size(), tuple(p.shape)) for p in fresh)
                 )
                 self.flops.append(0)
         return self.layer_index[module]

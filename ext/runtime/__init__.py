@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import inspect
+import random
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .. import planners
+from .. import compress, planners
+from ..compress import Codec
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..profile import ModelProfile
@@ -16,7 +18,7 @@ from .channels import Channels
 from .engine import GradSync, IterationStats, _broadcast_from_first, attached, no_sync
 from .executor import NonFiniteGradient, check_nonfinite_mode
 from .layout import ParameterLayout
-from .measure import ProfileCalibration, measure_cost
+from .measure import ProfileCalibration, measure_cost, share_from_first
 from .optimizer import SyncedOptimizer
 from .trace import ChromeTrace
 
@@ -27,7 +29,7 @@ def wrap(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: str = "auto",
-    compressor: str | None = None,
+    compressor: str | dict | Codec | None = None,
     channels: int | None = None,
     process_group=None,
     profile: ModelProfile | str | Path = "measure",
@@ -43,6 +45,7 @@ def wrap(
     """Attach gradsync to `model` and return ``(model, optimizer)``.
 
     The model object comes back unchanged (hooks only). The returned optimizer wraps `optimizer`.
+    `compressor`: a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
     `profile`/`cost`: an object, a JSON path, or ``"measure"`` (the first `warmup_iterations` +
     `measure_iterations` iterations run as WFBP while layers are timed; the cost is fitted from
     timed all-reduces at wrap time). `channels`: process groups for simultaneous all-reduces
@@ -51,8 +54,7 @@ def wrap(
     Every argument is checked before the first collective.
     """
     planner = planners.get(scheduler)
-    if compressor is not None:
-        raise ConfigError(f"unknown compressor {compressor!r}; valid: none yet (compression is not available)")
+    codec = _codec(compressor)
     channel_count = 2 if channels is None else channels
     if isinstance(channel_count, bool) or not isinstance(channel_count, int) or channel_count < 1:
         raise ConfigError(f"'channels' must be an integer >= 1, got {channels!r}")
@@ -82,7 +84,10 @@ def wrap(
     _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], group)
     channel_groups = Channels(channel_count, group, timedelta(seconds=timeout))
     writer = ChromeTrace(trace, dist.get_rank(group)) if trace else None
-    sync = GradSync(model, layout, channel_groups, scheduler, planner_options, nonfinite, broadcast_buffers, writer)
+    codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channel_groups.world_size,
+                share_from_first(random.randrange(2**62), group))
+    sync = GradSync(model, layout, channel_groups, scheduler, planner_options, nonfinite, broadcast_buffers, codec,
+                    writer)
     sync.check_optimizer(optimizer)
     device = next(iter(layout.parameters.values())).device
     measured_cost = given_cost or measure_cost(channel_groups, skeleton.total_bytes, device=device)
@@ -115,3 +120,17 @@ def _load(value, field: str, loader, kind):
             raise ConfigError(f"{field!r}: no such file {str(value)!r} (give a {kind.__name__}, a JSON path or 'measure')")
         return loader(value)
     raise ConfigError(f"{field!r} must be a {kind.__name__}, a JSON path or 'measure', got {type(value).__name__}")
+
+
+def _codec(compressor) -> Codec:
+    """A fresh codec from a name, a {"type": name, **options} dict, or a Codec (used as given)."""
+    if isinstance(compressor, Codec):
+        return compressor
+    if isinstance(compressor, dict):
+        options = dict(compressor)
+        if "type" not in options:
+            raise ConfigError(f"'compressor' dict needs a 'type' key (one of: {', '.join(compress.names())})")
+        return compress.get(options.pop("type"), **options)
+    if compressor is None or isinstance(compressor, str):
+        return compress.get(compressor)
+    raise ConfigError(f"'compressor' must be a name, a dict or a Codec, got {type(compressor).__name__}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.autograd import Variable
 from .. import planners
 from ..cost import CostModel
 from ..errors import ConfigError
+from ..compress import Codec, wire_profile
 from ..plan import BACKWARD, Plan
 from ..profile import ModelProfile
 from ..simulate import simulate
@@ -53,10 +54,11 @@ class GradSync:
     """The runtime attached to one model (see the module docstring)."""
 
     def __init__(self, model, layout: ParameterLayout, channels: Channels, planner_name: str,
-                 planner_options: dict, nonfinite: str, broadcast_buffers: bool, trace=None):
+                 planner_options: dict, nonfinite: str, broadcast_buffers: bool, codec: Codec, trace=None):
         self.model = model
         self.layout = layout
         self.channels = channels
+        self.codec = codec
         self.planner_name = planner_name
         self.planner_options = planner_options
         self.nonfinite = nonfinite
@@ -66,12 +68,14 @@ class GradSync:
         self.in_backward = False
         self.backward_synced = False
         self.iteration = 0
+        self.sync_steps = 0  # synchronised backward passes so far: the codec's step
         self.history: list[IterationStats] = []
-        self.plan: Plan | None = None
+        self.plans: dict[str, Plan] = {}  # per codec layout
+        self.executors: dict[str, PlanExecutor] = {}
+        self.predictions: dict[str, float] = {}
         self.profile: ModelProfile | None = None
         self.cost: CostModel | None = None
-        self.predicted: float | None = None
-        self.executor: PlanExecutor | None = None
+        self.executor: PlanExecutor | None = None  # the one running the current iteration
         self.measurement = None
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
@@ -91,20 +95,31 @@ class GradSync:
         _ATTACHED[model] = self
 
     # -- planning ----------------------------------------------------------------------------------
-    def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None) -> Plan:
-        """Plan with `profile` and `cost` (equal on every rank), check the hash on every rank, and
-        make the plan the one executed from the next backward pass."""
-        name = planner_name or self.planner_name
-        plan = planners.get(name)(profile, cost, **self.planner_options).validate(profile)
-        self._check_same_plan(plan)
-        self.plan, self.profile, self.cost = plan, profile, cost
-        self.predicted = simulate(plan, profile, cost).iteration_time if cost is not None else None
-        self.executor = PlanExecutor(plan, self.layout.parameters, self.channels, self.nonfinite, self.trace)
-        return plan
+    def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None) -> None:
+        """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
+        rank), check the hashes on every rank, and execute the plans from the next backward pass."""
+        planner = planners.get(planner_name or self.planner_name)
+        plans, predictions = {}, {}
+        for layout in self.codec.layouts():
+            wire = wire_profile(profile, self.codec, layout)
+            plan = planner(wire, cost, **self.planner_options).validate(wire)
+            plans[layout] = Plan(tuple(replace(op, codec=self.codec.name) for op in plan.ops), plan.planner,
+                                 plan.options)
+            predictions[layout] = simulate(plan, wire, cost).iteration_time
+        self._check_same_plans(plans)
+        self.plans, self.predictions, self.profile, self.cost = plans, predictions, profile, cost
+        self.executors = {layout: PlanExecutor(plan, self.layout.parameters, self.channels, self.codec, layout,
+                                               self.nonfinite, self.trace) for layout, plan in plans.items()}
 
-    def _check_same_plan(self, plan: Plan) -> None:
+    @property
+    def plan(self) -> Plan:
+        """The (first) plan the next iteration executes."""
+        return self.plans[self.codec.rounds(self.sync_steps)[0]]
+
+    def _check_same_plans(self, plans: dict[str, Plan]) -> None:
         hashes = [None] * self.channels.world_size
-        dist.all_gather_object(hashes, plan.hash, group=self.channels.process_group)
+        mine = tuple(plan.hash for plan in plans.values())
+        dist.all_gather_object(hashes, mine, group=self.channels.process_group)
         if len(set(hashes)) > 1:
             differing = [rank for rank, h in enumerate(hashes) if h != hashes[0]]
             raise ConfigError(f"ranks {differing} built a different plan from rank 0 (plan hash mismatch); "
@@ -133,7 +148,10 @@ class GradSync:
     def _begin_backward(self) -> None:
         self.flush_deferred()
         self.in_backward = True
-        self.executor.start_iteration()
+        self.rounds_now = self.codec.rounds(self.sync_steps)
+        self.executor = self.executors[self.rounds_now[0]]
+        self.executor.start_iteration(self.sync_steps)
+        self.sync_steps += 1
         if self.trace is not None:
             self.trace.mark("backward start")
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -142,6 +160,11 @@ class GradSync:
         self.in_backward = False
         self.backward_synced = True
         self.executor.end_backward()
+        for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
+            previous, self.executor = self.executor, self.executors[layout]
+            previous.wait_all()
+            self.executor.start_iteration(previous.step, ready=previous.ready)
+            self.executor.end_backward()
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         if self.broadcast_buffers:
@@ -228,8 +251,8 @@ class GradSync:
     def _finish_iteration(self) -> None:
         now = time.perf_counter()
         stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
-                               sum(s.buffer.numel() * s.buffer.element_size() for s in self.executor.ops),
-                               self.predicted)
+                               sum(self.executors[layout].wire_bytes() for layout in self.rounds_now),
+                               self.predictions[self.rounds_now[0]] if len(self.rounds_now) == 1 else None)
         self.history.append(stats)
         if self.trace is not None:
             self.trace.iteration(stats)
@@ -237,6 +260,36 @@ class GradSync:
         self.iteration_started, self.comm_wait = now, 0.0
         if self.measurement is not None:
             self.measurement.iteration_done(self)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The codec's state and step. Per-rank codec state (error feedback) of every rank is
+        gathered, so this is a collective: call it on every rank, as checkpointing with DDP does."""
+        self.flush()
+        shared, per_rank = self.codec.state_dict()
+        state = {"codec": self.codec.name, "step": self.sync_steps, "world_size": self.channels.world_size,
+                 "shared": shared, "per_rank": None}
+        if self.codec.per_rank_state:
+            gathered = [None] * self.channels.world_size
+            dist.all_gather_object(gathered, per_rank, group=self.channels.process_group)
+            state["per_rank"] = gathered
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.flush()
+        if state["codec"] != self.codec.name:
+            raise ConfigError(f"checkpoint was made with compressor {state['codec']!r}, this run uses "
+                              f"{self.codec.name!r}")
+        per_rank = None
+        if state["per_rank"] is not None:
+            if state["world_size"] != self.channels.world_size:
+                raise ConfigError(
+                    f"checkpoint holds {self.codec.name!r} error feedback of {state['world_size']} ranks; this run "
+                    f"has {self.channels.world_size}. Error feedback is per rank and cannot be redistributed: "
+                    "resume with the same number of ranks")
+            per_rank = state["per_rank"][self.channels.rank]
+        self.codec.load_state_dict(state["shared"], per_rank)
+        self.sync_steps = state["step"]
 
     # -- teardown ----------------------------------------------------------------------------------
     def detach(self) -> None:

@@ -1,10 +1,13 @@
 """Executes one Plan per iteration: fusion buffers, launch in plan order per channel, unpack.
 
-Each op owns a flat buffer holding its slices followed by one "used" flag per tensor it carries.
-A rank whose backward never produced a tensor's gradient contributes zeros and flag 0; after the
-sum all-reduce a flag of 0 means no rank used the tensor, and its gradient is left untouched, as
-torch DDP does with ``find_unused_parameters``. The engine never looks at which planner made the
-plan: phase, channel and order are all it needs.
+Every tensor passes through the codec (the identity when nothing is compressed): when the first
+op carrying a tensor launches, the codec encodes its gradient into a wire tensor, and ops carry
+slices of wire tensors. Each op's buffer holds its slices followed by one "used" flag per tensor;
+a rank whose backward never produced a gradient contributes zeros and flag 0. After the collective
+a flag sum of 0 means no rank used the tensor and its gradient is left untouched, as torch DDP does
+with ``find_unused_parameters``; otherwise, once every op of a tensor is done, the codec writes the
+averaged gradient. The engine never looks at which planner made the plan: phase, channel and order
+are all it needs.
 """
 from __future__ import annotations
 
@@ -12,22 +15,24 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from ..compress import Codec
 from ..errors import ConfigError
 from ..plan import BACKWARD, Plan, ops_by_channel
 from .channels import Channels
 
 SUPPORTED_TRANSPORTS = ("allreduce",)
-SUPPORTED_CODECS = ("identity",)
 
 
 @dataclass
 class _OpState:
-    slices: list[tuple[str, int, int, int]]  # (tensor, offset, length, position in buffer)
+    slices: list[tuple[str, int, int, int]]  # (tensor, offset in its wire, length, position in buffer)
     tensors: list[str]  # tensors carried, in flag order
     phase: str
     channel: int
     buffer: torch.Tensor
+    gathered: list[torch.Tensor] | None = None
     waiting_for: set[str] = field(default_factory=set)
     work: object = None
     launched_at: float = 0.0
@@ -39,15 +44,18 @@ class NonFiniteGradient(FloatingPointError):
 
 
 class PlanExecutor:
-    """Runs `plan` over `parameters` (name -> Parameter) on `channels`, averaging by world size."""
+    """Runs `plan` (made on the codec's wire sizes) over `parameters` on `channels`."""
 
-    def __init__(self, plan: Plan, parameters: dict, channels: Channels, nonfinite: str = "raise", trace=None):
+    def __init__(self, plan: Plan, parameters: dict, channels: Channels, codec: Codec | None = None,
+                 layout: str = "plain", nonfinite: str = "raise", trace=None):
         if plan.channels > len(channels):
             raise ConfigError(f"plan uses {plan.channels} channels but only {len(channels)} were created "
                               "(raise 'channels')")
         self.plan = plan
         self.parameters = parameters
         self.channels = channels
+        self.codec = codec or Codec()
+        self.layout = layout
         self.nonfinite = nonfinite
         self.trace = trace
         self.ops = [self._op_state(op) for op in plan.ops]
@@ -56,37 +64,40 @@ class PlanExecutor:
             for name in state.tensors:
                 self.ops_of_tensor.setdefault(name, []).append(index)
         self.order = ops_by_channel(plan.ops)
-        self.cursor = {channel: 0 for channel in self.order}
-        self.ready: set[str] = set()
-        self.backward_over = False
-        self.skip_step = False
+        self.start_iteration(0)
 
     def _op_state(self, op) -> _OpState:
         tensors = op.tensors()
-        if op.transport not in SUPPORTED_TRANSPORTS or op.codec not in SUPPORTED_CODECS:
-            raise ConfigError(f"the runtime executes transports {SUPPORTED_TRANSPORTS} and codecs "
-                              f"{SUPPORTED_CODECS}; an op asks for transport {op.transport!r}, codec {op.codec!r}")
+        if op.transport not in SUPPORTED_TRANSPORTS:
+            raise ConfigError(f"the runtime executes transports {SUPPORTED_TRANSPORTS}; an op asks for "
+                              f"transport {op.transport!r}")
+        if op.codec not in ("identity", self.codec.name):
+            raise ConfigError(f"an op asks for codec {op.codec!r} but the runtime runs {self.codec.name!r}")
         dtypes = {self.parameters[name].dtype for name in tensors}
         if len(dtypes) > 1:
             raise ConfigError(f"an op mixes gradient dtypes {sorted(map(str, dtypes))} ({tensors[:4]}): "
                               "they cannot share a fusion buffer")
-        numel = op.numel()
-        dtype = dtypes.pop()
-        device = self.parameters[tensors[0]].device
         slices, position = [], 0
         for s in op.slices:
             slices.append((s.tensor, s.offset, s.length, position))
             position += s.length
-        buffer = torch.zeros(numel + len(tensors), dtype=dtype, device=device)
+        device = self.parameters[tensors[0]].device
+        dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
+        buffer = torch.zeros(position + len(tensors), dtype=dtype, device=device)
         return _OpState(slices, tensors, op.phase, op.channel, buffer)
 
     # -- one iteration ---------------------------------------------------------------------------
-    def start_iteration(self) -> None:
+    def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
+        """Reset for synchronised iteration `step`; `ready`: tensors already produced (a later
+        round of the same step)."""
+        self.step = step
         for state in self.ops:
             state.waiting_for = set(state.tensors)
             state.work, state.done = None, False
         self.cursor = {channel: 0 for channel in self.order}
-        self.ready = set()
+        self.ready: set[str] = set(ready or ())
+        self.wires: dict[str, torch.Tensor | None] = {}
+        self.ops_left = {name: len(indices) for name, indices in self.ops_of_tensor.items()}
         self.backward_over = False
         self.skip_step = False
 
@@ -113,25 +124,39 @@ class PlanExecutor:
                 self._launch(state)
                 self.cursor[channel] += 1
 
+    def _used(self, name: str) -> bool:
+        return name in self.ready and self.parameters[name].grad is not None
+
+    def _wire(self, name: str) -> torch.Tensor | None:
+        if name not in self.wires:
+            grad = self.parameters[name].grad if self._used(name) else None
+            self.wires[name] = self.codec.encode(name, grad, self.step)
+        return self.wires[name]
+
     def _launch(self, state: _OpState) -> None:
         buffer = state.buffer
+        data_end = buffer.numel() - len(state.tensors)
         for name, offset, length, position in state.slices:
-            grad = self.parameters[name].grad
+            wire = self._wire(name)
             target = buffer[position:position + length]
-            if name in self.ready and grad is not None:
-                target.copy_(grad.reshape(-1)[offset:offset + length])
-            else:
+            if wire is None:
                 target.zero_()
-        flags = buffer[buffer.numel() - len(state.tensors):]
+            else:
+                target.copy_(wire[offset:offset + length])
         for index, name in enumerate(state.tensors):
-            flags[index] = 1.0 if name in self.ready and self.parameters[name].grad is not None else 0.0
-        buffer[: buffer.numel() - len(state.tensors)].div_(self.channels.world_size)
+            buffer[data_end + index] = 1.0 if self._used(name) else 0.0
         state.launched_at = time.perf_counter()
-        state.work = self.channels.all_reduce(state.channel, buffer)
+        group = self.channels.groups[state.channel]
+        if self.codec.collective == "allgather":
+            state.gathered = [torch.empty_like(buffer) for _ in range(self.channels.world_size)]
+            state.work = dist.all_gather(state.gathered, buffer, group=group, async_op=True)
+        else:
+            buffer[:data_end].div_(self.channels.world_size)
+            state.work = self.channels.all_reduce(state.channel, buffer)
 
     # -- completion --------------------------------------------------------------------------------
     def wait(self, index: int) -> None:
-        """Wait for op `index` and write its averaged slices into the gradients."""
+        """Wait for op `index`; once all ops of a tensor are done, the codec writes its gradient."""
         state = self.ops[index]
         if state.done:
             return
@@ -140,23 +165,32 @@ class PlanExecutor:
         state.work.wait()
         state.done = True
         if self.trace is not None:
-            self.trace.op(index, state.channel, state.launched_at, time.perf_counter(), state.buffer.numel())
+            self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
+                          state.buffer.numel() * state.buffer.element_size())
         data_end = state.buffer.numel() - len(state.tensors)
-        used = dict(zip(state.tensors, state.buffer[data_end:].tolist()))
-        data = state.buffer[:data_end]
-        if self.nonfinite != "ignore" and not bool(torch.isfinite(data).all()):
-            self._non_finite(state, data)
+        if state.gathered is not None:
+            data = torch.stack([b[:data_end] for b in state.gathered])
+            flags = sum(b[data_end:] for b in state.gathered).tolist()
+        else:
+            data = state.buffer[:data_end]
+            flags = state.buffer[data_end:].tolist()
+        used = dict(zip(state.tensors, flags))
+        check = self.nonfinite != "ignore"
+        if check and data.is_floating_point() and not bool(torch.isfinite(data).all()):
+            self._non_finite([name for name, _, length, position in state.slices
+                              if not bool(torch.isfinite(data[..., position:position + length]).all())])
         for name, offset, length, position in state.slices:
-            if used[name] == 0:
-                continue
-            parameter = self.parameters[name]
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            parameter.grad.view(-1)[offset:offset + length].copy_(data[position:position + length])
+            if used[name]:
+                target = self.codec.reduced_target(name, self.parameters[name], self.step)
+                target[..., offset:offset + length].copy_(data[..., position:position + length])
+        for name in state.tensors:
+            self.ops_left[name] -= 1
+            if self.ops_left[name] == 0 and used[name] and not self.skip_step:
+                self.codec.finish(name, self.parameters[name], self.step)
+                if check and not data.is_floating_point() and not bool(torch.isfinite(self.parameters[name].grad).all()):
+                    self._non_finite([name])
 
-    def _non_finite(self, state: _OpState, data: torch.Tensor) -> None:
-        bad = [name for name, _, length, position in state.slices
-               if not bool(torch.isfinite(data[position:position + length]).all())]
+    def _non_finite(self, bad: list[str]) -> None:
         if self.nonfinite == "skip":
             self.skip_step = True
             return
@@ -177,7 +211,7 @@ class PlanExecutor:
     def pending_ops(self, names) -> list[int]:
         return sorted({i for n in names for i in self.ops_of_tensor[n] if not self.ops[i].done})
 
-    def buffer_bytes(self) -> int:
+    def wire_bytes(self) -> int:
         return sum(state.buffer.numel() * state.buffer.element_size() for state in self.ops)
 
 
@@ -186,4 +220,3 @@ def check_nonfinite_mode(mode: str) -> str:
     if mode not in modes:
         raise ConfigError(f"'nonfinite' must be one of {modes}, got {mode!r}")
     return mode
-

@@ -64,7 +64,7 @@ class ParameterLayout:
 
     def tensor_spec(self, name: str) -> TensorSpec:
         parameter = self.parameters[name]
-        return TensorSpec(name, parameter.numel(), parameter.element_size())
+        return TensorSpec(name, parameter.numel(), parameter.element_size(), tuple(parameter.shape))
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every parameter the optimizer updates must belong to the model."""
@@ -90,6 +90,7 @@ class ParameterLayout:
             raise ConfigError(
                 f"profile {profile.name!r} does not match the model: missing {missing[:5]}, unknown {extra[:5]}"
             )
-        wrong = [n for n in mine if mine[n] != theirs[n]]
+        wrong = [n for n in mine if (mine[n].numel, mine[n].bytes_per_element)
+                 != (theirs[n].numel, theirs[n].bytes_per_element)]
         if wrong:
             raise ConfigError(f"profile {profile.name!r}: sizes differ from the model for {wrong[:5]}")

@@ -90,11 +90,18 @@ class SyncedOptimizer(torch.optim.Optimizer):
         self.sync.flush()
 
     def state_dict(self):
-        self.sync.flush()
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state plus gradsync's (codec state and step) under "gradsync".
+        With per-rank codec state (error feedback) this is a collective: call it on every rank."""
+        gradsync_state = self.sync.state_dict()  # first: it applies pending updates
+        return {**self.optimizer.state_dict(), "gradsync": gradsync_state}
 
     def load_state_dict(self, state_dict) -> None:
-        self.sync.flush()
+        state_dict = dict(state_dict)
+        gradsync_state = state_dict.pop("gradsync", None)
+        if gradsync_state is not None:
+            self.sync.load_state_dict(gradsync_state)
+        else:
+            self.sync.flush()
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group) -> None:

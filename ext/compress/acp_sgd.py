@@ -1,0 +1,217 @@
+"""ACP-SGD: alternate compressed Power-SGD with error feedback (acp-sgd Algorithm 2, §IV).
+
+Each matrix-shaped gradient M (viewed as (shape[0], -1)) travels as one low-rank factor per step,
+alternating: on P steps Q = Orth(Q_prev), P = (M + E)·Q, E ← M + E − P·Qᵀ with the local P, then
+P is all-reduced and the gradient is P̄·Qᵀ; on Q steps P = Orth(P_prev), Q = (M + E)ᵀ·P,
+E ← M + E − P·Qᵀ, then Q is all-reduced and the gradient is P·Q̄ᵀ. The averaged factor becomes the
+next step's query ("reuse"). Vectors, and matrices where (n + m)·r·min_compression_rate ≥ n·m,
+travel uncompressed in the same ops. One all-reduce per step, so WFBP and tensor fusion apply as
+for plain gradients (§IV-B): the runtime plans the P and Q layouts separately on their own sizes.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from typing import Mapping
+
+import torch
+
+from ..errors import ConfigError
+from ..profile import TensorSpec
+from ..triton_kernels import error_feedback_update
+from .codec import Codec
+from .orthogonalize import orthogonalize
+
+PLAIN, P_STEP, Q_STEP = "plain", "P", "Q"
+
+
+class ACPSGD(Codec):
+    """Options: `rank` r (default 4), `min_compression_rate` (compress only when it pays by this
+    factor), `start_iter` (uncompressed warm-up steps), `error_feedback` and `reuse` (ablations),
+    `seed` for the initial factors (default: drawn by rank 0 and shared, so no user seeding is
+    needed)."""
+
+    name = "acp_sgd"
+
+    def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
+                 error_feedback: bool = True, reuse: bool = True, seed: int | None = None):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise ConfigError(f"compressor 'acp_sgd': 'rank' must be an integer >= 1, got {rank!r}")
+        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
+                or not math.isfinite(min_compression_rate) or min_compression_rate < 0:
+            raise ConfigError(f"compressor 'acp_sgd': 'min_compression_rate' must be a number >= 0, "
+                              f"got {min_compression_rate!r}")
+        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
+            raise ConfigError(f"compressor 'acp_sgd': 'start_iter' must be an integer >= 0, got {start_iter!r}")
+        for field, value in (("error_feedback", error_feedback), ("reuse", reuse)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"compressor 'acp_sgd': {field!r} must be true or false, got {value!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"compressor 'acp_sgd': 'seed' must be an integer >= 0, got {seed!r}")
+        self.fixed_seed = seed
+        self.rank = rank
+        self.min_compression_rate = min_compression_rate
+        self.start_iter = start_iter
+        self.error_feedback = error_feedback
+        self.reuse = reuse
+        self.per_rank_state = error_feedback
+
+    # -- setup and planning ------------------------------------------------------------------------
+    def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
+        super().setup(specs, world_size, seed)
+        self.seed = seed = seed if self.fixed_seed is None else self.fixed_seed
+        self.shapes: dict[str, tuple[int, int, int]] = {}  # compressed tensors: (n, m, r)
+        clipped = []
+        for name in sorted(specs):
+            matrix = specs[name].matrix_shape()
+            if matrix is None:
+                continue
+            n, m = matrix
+            r = min(self.rank, n, m)
+            if r < self.rank:
+                clipped.append(name)
+            if (n + m) * r * self.min_compression_rate < n * m:
+                self.shapes[name] = (n, m, r)
+        if clipped:
+            warnings.warn(f"acp_sgd: rank {self.rank} exceeds min(n, m) of {len(clipped)} tensor(s) "
+                          f"(e.g. {clipped[0]!r}); clipped to min(n, m) for those", stacklevel=2)
+        generator = torch.Generator().manual_seed(seed)
+        self.p_prev: dict[str, torch.Tensor] = {}
+        self.q_prev: dict[str, torch.Tensor] = {}
+        for name, (n, m, r) in self.shapes.items():
+            self.p_prev[name] = torch.randn(n, r, generator=generator)
+            self.q_prev[name] = torch.randn(m, r, generator=generator)
+        self.errors: dict[str, torch.Tensor] = {}
+        self.query: dict[str, torch.Tensor] = {}  # the orthonormal factor of the current step
+        self.staging: dict[str, torch.Tensor] = {}
+
+    def rounds(self, step: int) -> tuple[str]:
+        return (self.layout(step),)
+
+    def layout(self, step: int) -> str:
+        """Uncompressed before `start_iter`, then P and Q steps alternately (Algorithm 2, line 3)."""
+        if step < self.start_iter:
+            return PLAIN
+        return P_STEP if (step - self.start_iter) % 2 == 0 else Q_STEP
+
+    def layouts(self) -> tuple[str, ...]:
+        return (PLAIN, P_STEP, Q_STEP) if self.start_iter else (P_STEP, Q_STEP)
+
+    def wire_spec(self, spec: TensorSpec, layout: str) -> TensorSpec:
+        if layout == PLAIN or spec.name not in self.shapes:
+            return spec
+        n, m, r = self.shapes[spec.name]
+        rows = n if layout == P_STEP else m
+        return TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r))
+
+    def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
+        """Encode: two (n × m)·(m × r) products and the EF update; decode: one product; plus the
+        orthogonalisation, O((n + m)·r²) (acp-sgd §IV-A)."""
+        if layout == PLAIN or spec.name not in self.shapes:
+            return 0.0, 0.0
+        n, m, r = self.shapes[spec.name]
+        product = 2.0 * n * m * r
+        orthogonal = 2.0 * (n if layout == Q_STEP else m) * r * r
+        return (3 * product + orthogonal) / flops_per_second, product / flops_per_second
+
+    # -- execution ---------------------------------------------------------------------------------
+    def encode(self, name: str, grad: torch.Tensor | None, step: int) -> torch.Tensor | None:
+        layout = self.layout(step)
+        if layout == PLAIN or name not in self.shapes:
+            return super().encode(name, grad, step)
+        n, m, r = self.shapes[name]
+        like = grad if grad is not None else self.errors.get(name)
+        if like is None:
+            return None  # no gradient and no error yet: this rank contributes nothing
+        matrix = grad.reshape(n, m) if grad is not None else torch.zeros(n, m, dtype=like.dtype, device=like.device)
+        error = self._error(name, matrix)
+        query = self._query(name, layout, step, matrix)
+        self.query[name] = query
+        if layout == P_STEP:  # P = (M + E)·Q
+            factor = matrix @ query if error is None else torch.addmm(error @ query, matrix, query)
+            left, right = factor, query
+        else:  # Q = (M + E)ᵀ·P
+            factor = matrix.T @ query if error is None else torch.addmm(error.T @ query, matrix.T, query)
+            left, right = query, factor
+        if error is not None and bool(torch.isfinite(matrix).all()):
+            error_feedback_update(matrix, error, left, right)  # E ← M + E − P·Qᵀ, local factors
+        return factor.reshape(-1)
+
+    def _error(self, name: str, matrix: torch.Tensor) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        error = self.errors.get(name)
+        if error is None:
+            error = torch.zeros_like(matrix)
+        elif error.device != matrix.device or error.dtype != matrix.dtype:
+            error = error.to(device=matrix.device, dtype=matrix.dtype)  # as loaded from a checkpoint
+        self.errors[name] = error
+        return error
+
+    def _query(self, name: str, layout: str, step: int, like: torch.Tensor) -> torch.Tensor:
+        """Orth(Q_prev) on P steps, Orth(P_prev) on Q steps; fresh Gaussian ones without reuse."""
+        previous = self.q_prev[name] if layout == P_STEP else self.p_prev[name]
+        if not self.reuse:
+            generator = torch.Generator().manual_seed(self.seed + 7919 * step + zlib.crc32(name.encode()))
+            previous = torch.randn(previous.shape, generator=generator)
+        return orthogonalize(previous.to(device=like.device, dtype=like.dtype))
+
+    def reduced_target(self, name: str, parameter: torch.nn.Parameter, step: int) -> torch.Tensor:
+        layout = self.layout(step)
+        if layout == PLAIN or name not in self.shapes:
+            return super().reduced_target(name, parameter, step)
+        n, m, r = self.shapes[name]
+        size = (n if layout == P_STEP else m) * r
+        staging = self.staging.get(name)
+        if staging is None or staging.numel() != size:
+            staging = self.staging[name] = torch.empty(size, dtype=parameter.dtype, device=parameter.device)
+        return staging
+
+    def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
+        layout = self.layout(step)
+        if layout == PLAIN or name not in self.shapes:
+            return
+        n, m, r = self.shapes[name]
+        averaged = self.staging[name]
+        if layout == P_STEP:
+            p_mean = averaged.view(n, r)
+            approximation = p_mean @ self.query[name].T
+            self.p_prev[name] = p_mean.clone()
+            self.q_prev[name] = self.query[name]
+        else:
+            q_mean = averaged.view(m, r)
+            approximation = self.query[name] @ q_mean.T
+            self.q_prev[name] = q_mean.clone()
+            self.p_prev[name] = self.query[name]
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        parameter.grad.copy_(approximation.view_as(parameter))
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, dict]:
+        """Shared: the options that shaped the state, the seed and the factors (equal on every
+        rank); per rank: the error-feedback matrices."""
+        shared = {
+            "options": self._options(),
+            "seed": self.seed,
+            "p": {k: v.detach().cpu().clone() for k, v in self.p_prev.items()},
+            "q": {k: v.detach().cpu().clone() for k, v in self.q_prev.items()},
+        }
+        return shared, {"errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()}}
+
+    def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
+        if shared["options"] != self._options():
+            raise ConfigError(f"acp_sgd state was saved with options {shared['options']}, "
+                              f"this run uses {self._options()}")
+        unknown = sorted(set(shared["p"]) - set(self.shapes))
+        if unknown:
+            raise ConfigError(f"acp_sgd state holds factors of tensors this model does not compress: {unknown[:5]}")
+        self.seed = shared["seed"]
+        self.p_prev = {k: v.clone() for k, v in shared["p"].items()}
+        self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
+        self.errors = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
+
+    def _options(self) -> dict:
+        return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,
+                "start_iter": self.start_iter, "error_feedback": self.error_feedback, "reuse": self.reuse}

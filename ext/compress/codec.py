@@ -1,0 +1,78 @@
+"""The codec interface: what travels for each gradient tensor, and how it is made and undone.
+
+The runtime calls a codec for every tensor of every op, so no-compression is a codec too:
+``Codec`` itself is the identity. A codec may change what travels from step to step; each distinct
+wire layout has a key (``rounds(step)`` lists those sent at a step), and the runtime plans each
+layout once, on the wire sizes (``wire_spec``), so any planner composes with any codec.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from ..profile import TensorSpec
+
+
+class Codec:
+    """Identity: every gradient travels as it is and is averaged by a sum all-reduce."""
+
+    name = "identity"
+    collective = "allreduce"  # or "allgather": the wire of every rank reaches every rank
+    per_rank_state = False  # True when state differs between ranks (error feedback)
+
+    def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
+        """Called once on every rank with the same tensors and seed (chosen by rank 0)."""
+        self.specs = dict(specs)
+        self.world_size = world_size
+
+    # -- planning --------------------------------------------------------------------------------
+    def rounds(self, step: int) -> tuple[str, ...]:
+        """The wire layouts sent at `step` (0-based count of synchronised iterations), in order:
+        usually one; a codec whose second message depends on the first reduced one (Power-SGD's
+        P then Q) has two, and the second round starts once the first is reduced."""
+        return ("plain",)
+
+    def layouts(self) -> tuple[str, ...]:
+        """Every layout `rounds` can return."""
+        return ("plain",)
+
+    def wire_spec(self, spec: TensorSpec, layout: str) -> TensorSpec:
+        """What travels for `spec` under `layout` (same name; numel and element size may change)."""
+        return spec
+
+    def wire_dtype(self, layout: str, gradient_dtype: torch.dtype) -> torch.dtype:
+        """Element type of the op buffers under `layout` (e.g. uint8 for packed signs). Codecs
+        with non-floating wires must decode non-finite gradients to non-finite values: the
+        runtime then checks the decoded gradients instead of the wire."""
+        return gradient_dtype
+
+    def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
+        """(encode, decode) compute time of `spec` under `layout` at the given device speed."""
+        return 0.0, 0.0
+
+    # -- execution --------------------------------------------------------------------------------
+    def encode(self, name: str, grad: torch.Tensor | None, step: int) -> torch.Tensor | None:
+        """The 1-D wire tensor of this rank for `name`, or None when this rank contributes zeros
+        (`grad` is None when the backward pass did not produce the gradient)."""
+        return None if grad is None else grad.reshape(-1)
+
+    def reduced_target(self, name: str, parameter: torch.nn.Parameter, step: int) -> torch.Tensor:
+        """Where the reduced wire of `name` lands: shape (wire numel,) for all-reduce codecs, the
+        rank-averaged values; (world size, wire numel) for all-gather codecs, every rank's wire."""
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        elif not parameter.grad.is_contiguous():
+            parameter.grad = parameter.grad.contiguous()
+        return parameter.grad.view(-1)
+
+    def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
+        """Once all of `name`'s wire is reduced: write the averaged gradient into parameter.grad."""
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, dict]:
+        """(state equal on every rank, this rank's own state), tensors on the CPU."""
+        return {}, {}
+
+    def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
+        """Restore what `state_dict` returned; `per_rank` is this rank's part (None if none)."""

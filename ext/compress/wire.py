@@ -1,0 +1,27 @@
+"""The wire profile: a model profile as a codec sends it, for planning and simulation."""
+from __future__ import annotations
+
+from ..profile import LayerProfile, ModelProfile
+from .codec import Codec
+
+
+def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_second: float | None = None) -> ModelProfile:
+    """`profile` with each tensor replaced by what travels under `layout`, and, given the device's
+    FLOP/s, the codec's encode time added to the layer's backward (it runs in the gradient hook,
+    before the op can launch) and its decode time to the layer's forward (it runs before the
+    layer's update)."""
+    layers = []
+    for layer in profile.layers:
+        encode = decode = 0.0
+        if flops_per_second:
+            for spec in layer.tensors:
+                more_encode, more_decode = codec.compute_seconds(spec, layout, flops_per_second)
+                encode, decode = encode + more_encode, decode + more_decode
+        layers.append(LayerProfile(
+            layer.name,
+            tuple(codec.wire_spec(spec, layout) for spec in layer.tensors),
+            layer.forward_time + decode,
+            layer.backward_time + encode,
+        ))
+    return ModelProfile(f"{profile.name} ({codec.name}, {layout})", tuple(layers),
+                        {**profile.metadata, "codec": codec.name, "layout": layout})

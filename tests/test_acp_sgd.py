@@ -1,0 +1,265 @@
+"""ACP-SGD (acp-sgd Algorithm 2): exactness at full rank, error-feedback conservation, identical
+factors on every rank, wire sizes, checkpoints, bad input."""
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync import ConfigError, CostModel, compress
+from gradsync.compress.acp_sgd import ACPSGD
+from gradsync.launch import run_local
+from gradsync.profile import TensorSpec
+from gradsync.runtime import attached
+from gradsync.runtime.layout import ParameterLayout
+
+COST = CostModel(1e-4, 1e-9)
+
+
+def one_worker_step(codec, name, gradient, step):
+    """Encode, 'reduce' on one worker, finish: the gradient the optimizer would see."""
+    parameter = nn.Parameter(torch.zeros_like(gradient))
+    wire = codec.encode(name, gradient, step)
+    codec.reduced_target(name, parameter, step).copy_(wire)
+    codec.finish(name, parameter, step)
+    return parameter.grad
+
+
+def test_error_feedback_conserves_the_gradient_sum():
+    codec = ACPSGD(rank=2)
+    codec.setup({"w": TensorSpec("w", 30 * 20, 4, (30, 20))}, 1, seed=5)
+    generator = torch.Generator().manual_seed(0)
+    applied_sum, gradient_sum = torch.zeros(30, 20), torch.zeros(30, 20)
+    for step in range(6):
+        gradient = torch.randn(30, 20, generator=generator)
+        gradient_sum += gradient
+        applied_sum += one_worker_step(codec, "w", gradient, step)
+        # Σ applied_t + E_t = Σ M_t after every step
+        assert torch.allclose(applied_sum + codec.errors["w"], gradient_sum, atol=1e-5)
+    assert codec.errors["w"].abs().max() > 1e-3  # rank 2 of a random 30 × 20 matrix is lossy
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (8, 4, 2)])  # square as matrices: both steps exact
+def test_full_rank_is_exact_on_p_and_q_steps(shape):
+    n = shape[0]
+    m = math.prod(shape[1:])
+    codec = ACPSGD(rank=min(n, m), min_compression_rate=0)
+    codec.setup({"w": TensorSpec("w", n * m, 4, shape)}, 1, seed=1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        gradient = torch.randn(shape, generator=generator)
+        assert torch.allclose(one_worker_step(codec, "w", gradient, step), gradient, atol=1e-5)
+
+
+def test_a_given_seed_replaces_the_shared_random_one():
+    codec = ACPSGD(rank=2, seed=42)
+    codec.setup({"w": TensorSpec("w", 120, 4, (12, 10))}, 1, seed=7)
+    other = ACPSGD(rank=2)
+    other.setup({"w": TensorSpec("w", 120, 4, (12, 10))}, 1, seed=42)
+    assert codec.seed == 42 and torch.equal(codec.q_prev["w"], other.q_prev["w"])
+
+
+def test_without_reuse_queries_are_fresh_but_equal_for_equal_seeds():
+    first, second = ACPSGD(rank=2, reuse=False), ACPSGD(rank=2, reuse=False)
+    spec = {"w": TensorSpec("w", 120, 4, (12, 10))}
+    first.setup(spec, 1, seed=9)
+    second.setup(spec, 1, seed=9)
+    gradient = torch.randn(12, 10)
+    assert torch.equal(first.encode("w", gradient, 0), second.encode("w", gradient, 0))
+    assert not torch.equal(first._query("w", "P", 0, gradient), first._query("w", "P", 2, gradient))
+
+
+def test_which_tensors_are_compressed_and_their_wire_sizes():
+    codec = ACPSGD(rank=4)
+    specs = {
+        "big": TensorSpec("big", 64 * 32, 4, (64, 32)),  # (64 + 32)·4·2 = 768 < 2048: compressed
+        "small": TensorSpec("small", 8 * 8, 4, (8, 8)),  # (8 + 8)·4·2 = 128 ≥ 64: plain
+        "bias": TensorSpec("bias", 64, 4, (64,)),
+    }
+    codec.setup(specs, 2, seed=0)
+    assert set(codec.shapes) == {"big"}
+    assert codec.wire_spec(specs["big"], "P").numel == 64 * 4
+    assert codec.wire_spec(specs["big"], "Q").numel == 32 * 4
+    assert codec.wire_spec(specs["small"], "P") == specs["small"]
+    assert codec.layouts() == ("P", "Q") and ACPSGD(start_iter=3).layouts() == ("plain", "P", "Q")
+    assert [ACPSGD(start_iter=2).layout(s) for s in range(5)] == ["plain", "plain", "P", "Q", "P"]
+
+
+def test_rank_above_min_dimension_is_clipped_with_one_warning():
+    codec = ACPSGD(rank=16, min_compression_rate=0)
+    specs = {f"w{i}": TensorSpec(f"w{i}", 8 * 4, 4, (8, 4)) for i in range(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        codec.setup(specs, 1, seed=0)
+    assert len(caught) == 1 and "3 tensor(s)" in str(caught[0].message)
+    assert all(shape == (8, 4, 4) for shape in codec.shapes.values())
+
+
+@pytest.mark.parametrize("options, field", [({"rank": 0}, "rank"), ({"rank": 2.5}, "rank"),
+                                            ({"min_compression_rate": -1}, "min_compression_rate"),
+                                            ({"start_iter": -2}, "start_iter"), ({"reuse": "yes"}, "reuse"),
+                                            ({"ranks": 4}, "ranks")])
+def test_bad_options_name_the_field(options, field):
+    with pytest.raises(ConfigError, match=field):
+        compress.get("acp_sgd", **options)
+
+
+def test_unknown_compressor_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match="acp_sgd"):
+        compress.get("zip")
+
+
+def test_planning_uses_the_compressed_sizes():
+    from gradsync import planners
+    from gradsync.profile import zoo
+
+    profile = zoo("resnet50")
+    codec = ACPSGD(rank=4)
+    codec.setup(profile.tensor_map(), 8, seed=0)
+    for layout in codec.layouts():
+        wire = compress.wire_profile(profile, codec, layout, flops_per_second=1e13)
+        plan = planners.get("optimal_merge")(wire, CostModel.preset("asc-wfbp-10gbe")).validate(wire)
+        assert sum(op.numel() for op in plan.ops) == wire.num_parameters < profile.num_parameters / 50
+        # encode time lands in the backward pass of compressed layers, decode time in the forward
+        assert wire.backward_time > profile.backward_time and wire.forward_time > profile.forward_time
+
+
+# -- on two ranks ------------------------------------------------------------------------------------
+
+def square_net():
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def profile_of(model):
+    layout = ParameterLayout.of(model)
+    return layout.profile("net", None, {m: 1e-3 for m in layout.owners}, {m: 2e-3 for m in layout.owners})
+
+
+def data(rank, step):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(16, 8, generator=generator), torch.randint(0, 8, (16,), generator=generator)
+
+
+def full_rank_matches_ddp(rank, world_size):
+    torch.manual_seed(0)
+    model = square_net()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="optimal_merge",
+                                     compressor={"type": "acp_sgd", "rank": 8, "min_compression_rate": 0},
+                                     profile=profile_of(model), cost=COST)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst, factors = 0.0, []
+    for step in range(4):  # P, Q, P, Q
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        x, y = data(rank, step)
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.synchronize()
+        worst = max(worst, max((p.grad - q.grad).abs().max().item()
+                               for p, q in zip(model.parameters(), reference.parameters())))
+        codec = attached(model).codec
+        factors.append(torch.cat([t.reshape(-1) for k in sorted(codec.p_prev)
+                                  for t in (codec.p_prev[k], codec.q_prev[k])]))
+        optimizer.step()
+        ref_optimizer.step()
+    attached(model).detach()
+    return worst, torch.stack(factors).tolist()  # plain values: tensors do not outlive the rank's process
+
+
+def test_full_rank_equals_uncompressed_averaging_and_factors_agree_across_ranks():
+    (worst0, factors0), (worst1, factors1) = run_local(full_rank_matches_ddp, 2)
+    assert worst0 < 1e-5 and worst1 < 1e-5
+    assert factors0 == factors1  # identical on both ranks after every step
+
+
+def wire_bytes(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     compressor={"type": "acp_sgd", "rank": 4}, profile=profile_of(model),
+                                     cost=COST)
+    sync = attached(model)
+    sizes = {layout: executor.wire_bytes() for layout, executor in sync.executors.items()}
+    ops = {layout: len(plan.ops) for layout, plan in sync.plans.items()}
+    sync.detach()
+    return sizes, ops
+
+
+def test_bytes_on_the_wire_equal_the_formula():
+    sizes, ops = run_local(wire_bytes, 2)[0]
+    # "0.weight" (32 × 64) is compressed: P is 32 × 4, Q is 64 × 4; "2.weight" (4 × 32) is not
+    # ((4 + 32)·4·2 ≥ 128); biases travel as they are; one fp32 flag per tensor per op (wfbp: 4 ops)
+    plain = 32 + 4 * 32 + 4
+    assert ops == {"P": 4, "Q": 4}
+    assert sizes == {"P": 4 * (32 * 4 + plain + 4), "Q": 4 * (64 * 4 + plain + 4)}
+
+
+def resume(rank, world_size, path):
+    def fresh():
+        torch.manual_seed(2)
+        model = square_net()
+        return gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), scheduler="mg_wfbp",
+                             compressor={"type": "acp_sgd", "rank": 2, "min_compression_rate": 0},
+                             profile=profile_of(model), cost=COST)
+
+    def train(model, optimizer, steps):
+        for step in steps:
+            optimizer.zero_grad()
+            x, y = data(rank, step)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+
+    model, optimizer = fresh()
+    train(model, optimizer, range(4))
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}  # every rank calls it
+    if rank == 0:
+        torch.save(state, path)
+    train(model, optimizer, range(4, 7))  # the uninterrupted run goes on
+    straight = [p.detach().clone() for p in model.parameters()]
+    attached(model).detach()
+    torch.distributed.barrier()
+    model, optimizer = fresh()  # a restart: new process state, new random seed until the load
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    train(model, optimizer, range(4, 7))
+    attached(model).detach()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), straight))
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    assert run_local(resume, 2, str(tmp_path / "acp.pt")) == [0.0, 0.0]
+
+
+def non_finite_skipped(rank, world_size):
+    torch.manual_seed(0)
+    model = square_net()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     compressor={"type": "acp_sgd", "rank": 2, "min_compression_rate": 0},
+                                     profile=profile_of(model), cost=COST, nonfinite="skip")
+    codec = attached(model).codec
+    x, y = data(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    before = {k: v.clone() for k, v in codec.errors.items()}
+    parameters = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if rank == 1:
+        loss = loss + model[0].weight.sum() * float("nan")
+    loss.backward()
+    optimizer.step()
+    errors_finite = all(bool(torch.isfinite(e).all()) for e in codec.errors.values())
+    first_layer_error_kept = torch.equal(codec.errors["0.weight"], before["0.weight"]) if rank == 1 else True
+    unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), parameters))
+    attached(model).detach()
+    return errors_finite, first_layer_error_kept, unchanged
+
+
+def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_everywhere():
+    assert run_local(non_finite_skipped, 2) == [(True, True, True)] * 2
