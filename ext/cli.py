@@ -4,14 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
-from . import planners
+from . import compress, planners
+from .compress.planning import LayoutPlan, plan_layouts, predict_step
 from .cost import PRESETS, CostModel
 from .errors import ConfigError
-from .plan import Plan
 from .profile import ModelProfile, zoo, zoo_names
-from .simulate import Timeline, simulate
+from .profile.devices import resolve_device
+from .simulate import simulate
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -43,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--a", type=float, help="all-reduce start-up time in seconds")
         sub.add_argument("--b", type=float, help="all-reduce time per byte in seconds")
         sub.add_argument("--gamma", type=float, default=None, help="contention factor (>= 1)")
+        sub.add_argument("--compressor", default=None, help=f"one of: {', '.join(compress.names())}")
+        sub.add_argument("-c", "--compressor-option", type=_option, action="append", default=[],
+                         metavar="KEY=VALUE", help="compressor option, e.g. -c rank=4")
         sub.add_argument("--json", action="store_true")
 
     build = commands.add_parser("plan", help="build one scheduler's plan and predict its iteration")
@@ -81,15 +87,40 @@ def _cost(args) -> CostModel:
     return cost
 
 
-def _summary(plan: Plan, timeline: Timeline) -> dict:
-    return {
-        "scheduler": plan.planner,
-        "iteration_time_ms": timeline.iteration_time * 1e3,
-        "noncovered_comm_ms": timeline.noncovered_comm * 1e3,
-        "allreduces": timeline.num_ops,
-        "channels": plan.channels,
-        "plan_hash": plan.hash,
-    }
+@dataclass
+class Prediction:
+    """One scheduler (with a codec) on one workload: its plans and the predicted steady state."""
+
+    scheduler: str
+    layout_plans: dict[str, LayoutPlan]
+    step_time: float  # mean over the codec's steady cycle of steps
+    allreduces: float  # per step, likewise
+    compute_time: float
+
+    def summary(self) -> dict:
+        first = next(iter(self.layout_plans.values())).plan
+        return {
+            "scheduler": self.scheduler,
+            "iteration_time_ms": self.step_time * 1e3,
+            "noncovered_comm_ms": max(0.0, self.step_time - self.compute_time) * 1e3,
+            "allreduces": self.allreduces,
+            "channels": first.channels,
+            "plan_hash": first.hash,
+        }
+
+
+def _predict(args, profile: ModelProfile, cost: CostModel, scheduler: str, options: dict) -> Prediction:
+    codec = compress.get(args.compressor, **dict(args.compressor_option))
+    codec.setup(profile.tensor_map(), args.workers or 2, seed=0)
+    flops = None
+    if not args.profile:
+        device = resolve_device(args.device)
+        flops = device.peak_flops * device.efficiency
+    layout_plans = plan_layouts(profile, cost, scheduler, codec, options, flops)
+    cycle = codec.steady_rounds()
+    step_time = sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
+    allreduces = sum(len(layout_plans[layout].plan.ops) for rounds in cycle for layout in rounds) / len(cycle)
+    return Prediction(scheduler, layout_plans, step_time, allreduces, profile.forward_time + profile.backward_time)
 
 
 def _run_zoo(args) -> None:
@@ -108,27 +139,33 @@ def _run_zoo(args) -> None:
 
 def _run_plan(args) -> None:
     profile, cost = _profile(args), _cost(args)
-    plan = planners.get(args.scheduler)(profile, cost, **dict(args.option)).validate(profile)
-    timeline = simulate(plan, profile, cost)
+    prediction = _predict(args, profile, cost, args.scheduler, dict(args.option))
+    layout_plans = prediction.layout_plans
     if args.save:
         with open(args.save, "w") as handle:
-            handle.write(plan.to_json(indent=1))
+            json.dump({layout: entry.plan.to_dict() for layout, entry in layout_plans.items()}, handle, indent=1)
+    first_layout, first = next(iter(layout_plans.items()))
+    timeline = simulate(first.plan, first.wire, cost)
     if args.timeline:
         from .timeline_plot import plot_timeline
 
-        plot_timeline(timeline, args.timeline, f"{profile.name}: {plan.planner}")
-    summary = {**_summary(plan, timeline), "model": profile.name, "cost": cost.to_dict()}
+        plot_timeline(timeline, args.timeline, f"{profile.name}: {first.plan.planner}")
+    summary = {**prediction.summary(), "model": profile.name, "cost": cost.to_dict()}
     if args.json:
-        print(json.dumps({**summary, "plan": plan.to_dict()}, indent=1))
+        print(json.dumps({**summary, "plans": {k: v.plan.to_dict() for k, v in layout_plans.items()}}, indent=1))
         return
-    print(f"{profile.name}: {plan.planner} on {cost.name} (a={cost.a:.4g} s, b={cost.b:.4g} s/B, γ={cost.gamma})")
+    codec = f", compressor {args.compressor}" if args.compressor else ""
+    print(f"{profile.name}: {first.plan.planner}{codec} on {cost.name} "
+          f"(a={cost.a:.4g} s, b={cost.b:.4g} s/B, γ={cost.gamma})")
     print(f"  predicted iteration {summary['iteration_time_ms']:.3f} ms, non-overlapped communication "
-          f"{summary['noncovered_comm_ms']:.3f} ms, {summary['allreduces']} all-reduces on "
-          f"{summary['channels']} channel(s)")
-    print(f"  plan hash {plan.hash[:16]}")
-    for span, op in zip(timeline.ops, plan.ops):
-        first, last = op.slices[0].tensor, op.slices[-1].tensor
-        carried = first if first == last else f"{first} … {last}"
+          f"{summary['noncovered_comm_ms']:.3f} ms, {summary['allreduces']:g} all-reduces per step")
+    for layout, entry in layout_plans.items():
+        label = "" if layout == "plain" else f" [{layout}]"
+        print(f"  plan{label}: {len(entry.plan.ops)} ops on {entry.plan.channels} channel(s), "
+              f"hash {entry.plan.hash[:16]}")
+    print(f"  ops of {'the plan' if len(layout_plans) == 1 else first_layout}:")
+    for span, op in zip(timeline.ops, first.plan.ops):
+        carried = op.slices[0].tensor if len(op.slices) == 1 else f"{op.slices[0].tensor} … {op.slices[-1].tensor}"
         print(f"  op {span.op:>4} ch{span.channel} {span.phase:<8} {span.nbytes / 2**20:9.3f} MiB "
               f"{span.start * 1e3:9.3f} → {span.end * 1e3:9.3f} ms  {carried}")
     if args.timeline:
@@ -140,25 +177,34 @@ def _run_simulate(args) -> None:
     names = planners.names() if args.schedulers == "all" else [n.strip() for n in args.schedulers.split(",")]
     rows = []
     for name in names:
-        plan = planners.get(name)(profile, cost).validate(profile)
-        rows.append(_summary(plan, simulate(plan, profile, cost)))
+        prediction = _predict(args, profile, cost, name, {})
+        rows.append(prediction.summary())
         if name == "auto":
-            rows[-1]["scheduler"] = f"auto ({plan.options['chosen']})"
+            chosen = next(iter(prediction.layout_plans.values())).plan.options["chosen"]
+            rows[-1]["scheduler"] = f"auto ({chosen})"
     baseline = simulate(planners.get("wfbp")(profile, cost), profile, cost).iteration_time * 1e3
     for row in rows:
         row["speedup_over_wfbp"] = baseline / row["iteration_time_ms"]
     if args.json:
-        print(json.dumps({"model": profile.name, "cost": cost.to_dict(), "rows": rows}, indent=1))
+        print(json.dumps({"model": profile.name, "cost": cost.to_dict(), "compressor": args.compressor,
+                          "rows": rows}, indent=1))
         return
-    print(f"{profile.name} on {cost.name} (a={cost.a:.4g} s, b={cost.b:.4g} s/B, γ={cost.gamma})")
+    codec = f" with {args.compressor}" if args.compressor else ""
+    print(f"{profile.name}{codec} on {cost.name} (a={cost.a:.4g} s, b={cost.b:.4g} s/B, γ={cost.gamma}); "
+          "speedup against uncompressed wfbp")
     print(f"{'scheduler':<26}{'iteration ms':>14}{'vs wfbp':>9}{'non-overlapped ms':>19}{'all-reduces':>13}")
     for row in rows:
         print(f"{row['scheduler']:<26}{row['iteration_time_ms']:>14.3f}{row['speedup_over_wfbp']:>8.3f}x"
-              f"{row['noncovered_comm_ms']:>19.3f}{row['allreduces']:>13}")
+              f"{row['noncovered_comm_ms']:>19.3f}{row['allreduces']:>13g}")
+
+
+def _warn(message, *_args, **_kwargs) -> None:
+    print(f"gradsync: warning: {message}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    warnings.showwarning = _warn
     try:
         {"zoo": _run_zoo, "plan": _run_plan, "simulate": _run_simulate}[args.command](args)
     except (ConfigError, FileNotFoundError) as exc:

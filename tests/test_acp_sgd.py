@@ -263,3 +263,16 @@ def non_finite_skipped(rank, world_size):
 
 def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_everywhere():
     assert run_local(non_finite_skipped, 2) == [(True, True, True)] * 2
+
+
+def test_fusion_thresholds_shrink_by_the_compression_rate():
+    from gradsync.compress.planning import scale_byte_options
+    from gradsync.planners import get
+
+    ddp, wfbp = get("ddp"), get("wfbp")
+    mib = 1 << 20
+    assert scale_byte_options(ddp, {}, 0.01) == {"bucket_cap_bytes": int(25 * mib * 0.01),
+                                                 "first_bucket_bytes": int(mib * 0.01)}
+    assert scale_byte_options(ddp, {"bucket_cap_bytes": 1000}, 0.5)["bucket_cap_bytes"] == 500
+    assert scale_byte_options(ddp, {"bucket_cap_bytes": 1000}, 1.0) == {"bucket_cap_bytes": 1000}
+    assert scale_byte_options(wfbp, {}, 0.01) == {}

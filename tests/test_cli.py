@@ -29,8 +29,27 @@ def test_plan_json_reports_a_valid_plan(capsys, profile_file, tmp_path):
                        "--scheduler", "wfbp", "--json", "--timeline", str(png))
     assert code == 0
     result = json.loads(out)
-    assert result["allreduces"] == 4 and len(result["plan"]["ops"]) == 4
+    assert result["allreduces"] == 4 and len(result["plans"]["plain"]["ops"]) == 4
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_with_a_compressor_has_one_plan_per_layout(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--workers", "8",
+                       "--scheduler", "optimal_merge", "--compressor", "acp_sgd", "-c", "rank=4", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert set(result["plans"]) == {"P", "Q"}
+    assert all(op["codec"] == "acp_sgd" for plan in result["plans"].values() for op in plan["ops"])
+
+
+def test_compression_shortens_the_predicted_iteration_of_a_large_model(capsys):
+    times = {}
+    for compressor in ([], ["--compressor", "acp_sgd"]):
+        code, out, _ = run(capsys, "simulate", "--model", "bert_base", "--cluster", "asc-wfbp-10gbe",
+                           "--schedulers", "optimal_merge", "--json", *compressor)
+        assert code == 0
+        times[bool(compressor)] = json.loads(out)["rows"][0]["iteration_time_ms"]
+    assert times[True] < times[False] / 2
 
 
 def test_simulate_table_has_every_scheduler(capsys, profile_file):
@@ -65,6 +84,10 @@ def test_zoo_lists_models(capsys):
          "'gamma'"),
         (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "us_byte",
           "-o", "partition_bytes=0"], "partition_bytes"),
+        (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "wfbp",
+          "--compressor", "zip"], "acp_sgd"),
+        (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "wfbp",
+          "--compressor", "acp_sgd", "-c", "rank=0"], "'rank'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):

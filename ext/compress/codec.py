@@ -37,6 +37,11 @@ class Codec:
         """Every layout `rounds` can return."""
         return ("plain",)
 
+    def steady_rounds(self) -> list[tuple[str, ...]]:
+        """The rounds of one cycle of steps after any warm-up (for predictions)."""
+        late = 1 << 40
+        return list(dict.fromkeys(self.rounds(step) for step in (late, late + 1)))
+
     def wire_spec(self, spec: TensorSpec, layout: str) -> TensorSpec:
         """What travels for `spec` under `layout` (same name; numel and element size may change)."""
         return spec

@@ -23,5 +23,6 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
             layer.forward_time + decode,
             layer.backward_time + encode,
         ))
-    return ModelProfile(f"{profile.name} ({codec.name}, {layout})", tuple(layers),
+    name = profile.name if codec.name == "identity" else f"{profile.name} ({codec.name}, {layout})"
+    return ModelProfile(name, tuple(layers),
                         {**profile.metadata, "codec": codec.name, "layout": layout})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,10 @@ from torch.autograd import Variable
 from .. import planners
 from ..cost import CostModel
 from ..errors import ConfigError
-from ..compress import Codec, wire_profile
+from ..compress import Codec
+from ..compress.planning import plan_layouts, predict_step
 from ..plan import BACKWARD, Plan
 from ..profile import ModelProfile
-from ..simulate import simulate
 from .channels import Channels
 from .executor import PlanExecutor
 from .layout import ParameterLayout
@@ -43,7 +43,7 @@ class IterationStats:
     iteration_time: float
     comm_wait: float  # time blocked on communication: the non-overlapped part
     bytes_sent: int
-    predicted_time: float | None
+    predicted_time: float
 
     @property
     def compute_time(self) -> float:
@@ -72,7 +72,8 @@ class GradSync:
         self.history: list[IterationStats] = []
         self.plans: dict[str, Plan] = {}  # per codec layout
         self.executors: dict[str, PlanExecutor] = {}
-        self.predictions: dict[str, float] = {}
+        self.layout_plans = {}
+        self.predictions: dict[tuple[str, ...], float] = {}
         self.profile: ModelProfile | None = None
         self.cost: CostModel | None = None
         self.executor: PlanExecutor | None = None  # the one running the current iteration
@@ -98,18 +99,20 @@ class GradSync:
     def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None) -> None:
         """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
         rank), check the hashes on every rank, and execute the plans from the next backward pass."""
-        planner = planners.get(planner_name or self.planner_name)
-        plans, predictions = {}, {}
-        for layout in self.codec.layouts():
-            wire = wire_profile(profile, self.codec, layout)
-            plan = planner(wire, cost, **self.planner_options).validate(wire)
-            plans[layout] = Plan(tuple(replace(op, codec=self.codec.name) for op in plan.ops), plan.planner,
-                                 plan.options)
-            predictions[layout] = simulate(plan, wire, cost).iteration_time
+        layout_plans = plan_layouts(profile, cost, planner_name or self.planner_name, self.codec,
+                                    self.planner_options)
+        plans = {layout: entry.plan for layout, entry in layout_plans.items()}
         self._check_same_plans(plans)
-        self.plans, self.predictions, self.profile, self.cost = plans, predictions, profile, cost
+        self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
+        self.predictions = {}
         self.executors = {layout: PlanExecutor(plan, self.layout.parameters, self.channels, self.codec, layout,
                                                self.nonfinite, self.trace) for layout, plan in plans.items()}
+
+    def predicted_time(self, rounds: tuple[str, ...]) -> float:
+        """The simulator's iteration time for a step sending `rounds` (cached)."""
+        if rounds not in self.predictions:
+            self.predictions[rounds] = predict_step(self.layout_plans, rounds, self.cost)
+        return self.predictions[rounds]
 
     @property
     def plan(self) -> Plan:
@@ -252,7 +255,7 @@ class GradSync:
         now = time.perf_counter()
         stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
                                sum(self.executors[layout].wire_bytes() for layout in self.rounds_now),
-                               self.predictions[self.rounds_now[0]] if len(self.rounds_now) == 1 else None)
+                               self.predicted_time(self.rounds_now))
         self.history.append(stats)
         if self.trace is not None:
             self.trace.iteration(stats)

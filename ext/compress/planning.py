@@ -1,0 +1,64 @@
+"""Planning with a codec: one plan per wire layout, and the predicted time of a step's rounds."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+
+from .. import planners
+from ..cost import CostModel
+from ..plan import Plan
+from ..profile import LayerProfile, ModelProfile
+from ..simulate import simulate
+from .codec import Codec
+from .wire import wire_profile
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    plan: Plan
+    wire: ModelProfile  # the profile the plan was made on
+
+
+def plan_layouts(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,
+                 flops_per_second: float | None = None) -> dict[str, LayoutPlan]:
+    """The scheduler's plan of every layout of `codec`, each made on that layout's wire profile."""
+    planner = planners.get(scheduler)
+    result = {}
+    for layout in codec.layouts():
+        wire = wire_profile(profile, codec, layout, flops_per_second)
+        scaled = scale_byte_options(planner, options, wire.total_bytes / profile.total_bytes)
+        plan = planner(wire, cost, **scaled).validate(wire)
+        labelled = tuple(replace(op, codec=codec.name) for op in plan.ops)
+        result[layout] = LayoutPlan(Plan(labelled, plan.planner, plan.options), wire)
+    return result
+
+
+def scale_byte_options(planner, options: dict, rate: float) -> dict:
+    """Byte thresholds (a planner's options named ``*_bytes``, given or default) describe
+    uncompressed gradients; on a wire `rate` times smaller they shrink alike (acp-sgd §IV-B:
+    fusion buffer sizes scaled by the compression rate)."""
+    if rate >= 1.0:
+        return dict(options)
+    scaled = dict(options)
+    for name, parameter in inspect.signature(planner).parameters.items():
+        default = parameter.default
+        if name.endswith("_bytes") and (name in options or default is not inspect.Parameter.empty):
+            scaled[name] = max(1, int(options.get(name, default) * rate))
+    return scaled
+
+
+def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> float:
+    """Predicted iteration time of a step sending `rounds`. One round: the simulator's time. A later
+    round starts once the one before is reduced, so its all-reduces follow the first round's end,
+    before the next forward (timed by simulating its plan with all gradients ready at once)."""
+    first = layout_plans[rounds[0]]
+    timeline = simulate(first.plan, first.wire, cost)
+    if len(rounds) == 1:
+        return timeline.iteration_time
+    clock = max(timeline.backward_end, timeline.comm_end)
+    for layout in rounds[1:]:
+        later = layout_plans[layout]
+        at_once = ModelProfile(later.wire.name, tuple(LayerProfile(l.name, l.tensors, 0.0, 0.0)
+                                                      for l in later.wire.layers))
+        clock += simulate(later.plan, at_once, cost).comm_end
+    return clock + layout_plans[rounds[-1]].wire.forward_time
