@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed-stamp
 
 install: $(STAMP)
 
-# torch first, pinned to the CPU build; then the package with its dev extras.
+# torch first, pinned to the CPU build; DeepSpeed from source against it (build isolation would
+# fetch a CUDA torch); then the package with its dev extras.
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 setuptools wheel
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation 'deepspeed>=0.16'
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 

@@ -24,11 +24,14 @@ setup(
     python_requires=">=3.10",
     packages=packages(),
     package_dir=FOLDERS,
-    package_data={"gradsync.recipes": ["**/*.yaml"]},
-    install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml"],
+    package_data={"": ["*.yaml"]},  # every package ships its YAML (Hydra config groups are packages)
+    install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml", "scikit-learn",
+                      "pytorch-lightning>=2.4", "hydra-core>=1.3", "wandb"],
     extras_require={
         "triton": ["triton==3.9.0"],
-        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "scikit-learn"],
+        # DeepSpeed builds from source: install it after torch with --no-build-isolation
+        "deepspeed": ["deepspeed>=0.16"],
+        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "deepspeed>=0.16"],
     },
-    entry_points={"console_scripts": ["gradsync=gradsync.cli:main"]},
+    entry_points={"console_scripts": ["gradsync=gradsync.cli:main", "gradsync-train=gradsync.recipes.app:main"]},
 )

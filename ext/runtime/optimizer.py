@@ -77,9 +77,14 @@ class SyncedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure=None):
+        """Run `closure` (forward and backward) if given, then synchronise and update; returns the
+        closure's loss, as torch optimizers do."""
+        loss = None
         if closure is not None:
-            raise ValueError("SyncedOptimizer.step takes no closure: gradients come from one backward pass")
-        return self.sync.step(self.optimizer)
+            with torch.enable_grad():
+                loss = closure()
+        self.sync.step(self.optimizer)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync.zero_grad(self.optimizer, set_to_none)
