@@ -34,4 +34,19 @@ def get(name: str | None, **options) -> Codec:
         raise ConfigError(f"compressor {name!r}: {exc}") from exc
 
 
-__all__ = ["Codec", "get", "names", "wire_profile"]
+def build(spec) -> Codec:
+    """A codec from a name, a ``{"type": name, **options}`` dict, a Codec (used as given) or None
+    (no compression)."""
+    if isinstance(spec, Codec):
+        return spec
+    if isinstance(spec, dict):
+        options = dict(spec)
+        if "type" not in options:
+            raise ConfigError(f"'compressor' dict needs a 'type' key (one of: {', '.join(names())})")
+        return get(options.pop("type"), **options)
+    if spec is None or isinstance(spec, str):
+        return get(spec)
+    raise ConfigError(f"'compressor' must be a name, a dict or a Codec, got {type(spec).__name__}")
+
+
+__all__ = ["Codec", "build", "get", "names", "wire_profile"]

@@ -1,6 +1,7 @@
 """Planner registry: pure functions ``(profile, cost, **options) -> Plan``, one module per paper."""
 from __future__ import annotations
 
+import inspect
 from importlib import import_module
 from typing import Callable
 
@@ -29,3 +30,10 @@ def get(name: str) -> Callable:
     if name not in _MODULES:
         raise unknown_name("scheduler", name, _MODULES)
     return import_module(f"{__name__}.{_MODULES[name]}").plan
+
+
+def option_names(name: str) -> list[str]:
+    """The keyword options the planner `name` takes."""
+    parameters = inspect.signature(get(name)).parameters
+    return [p for p, spec in parameters.items()
+            if spec.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p not in ("profile", "cost")]

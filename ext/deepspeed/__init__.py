@@ -1,0 +1,14 @@
+"""DeepSpeed plugin: a top-level ``"gradsync"`` section in the DeepSpeed config, read by
+``gradsync.deepspeed.initialize``, a drop-in for ``deepspeed.initialize``.
+
+Example section::
+
+    "gradsync": {"scheduler": "us_byte", "compressor": {"type": "acp_sgd", "rank": 4}, "channels": 2}
+
+Keys: scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite (as in
+``gradsync.wrap``), options (planner options), transport ("allreduce").
+"""
+from .config import KEYS, SECTION
+from .engine import GradSyncEngine, initialize
+
+__all__ = ["GradSyncEngine", "KEYS", "SECTION", "initialize"]

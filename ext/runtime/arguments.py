@@ -1,0 +1,86 @@
+"""Checking ``wrap``'s arguments without touching torch.distributed, so that front-ends (the
+DeepSpeed plugin, the Lightning strategies) can refuse bad configuration before anything starts."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import compress, planners
+from ..compress import Codec
+from ..cost import CostModel
+from ..errors import ConfigError
+from ..profile import LayerProfile, ModelProfile, TensorSpec
+from .executor import check_nonfinite_mode
+
+
+@dataclass
+class WrapArguments:
+    """Every model-independent argument of ``wrap``, checked and loaded."""
+
+    scheduler: str
+    codec: Codec
+    channels: int
+    profile: ModelProfile | None  # None: measure
+    cost: CostModel | None  # None: measure
+    trace: str | Path | None
+    timeout: float
+    nonfinite: str
+    broadcast_buffers: bool
+    warmup_iterations: int
+    measure_iterations: int
+    planner_options: dict = field(default_factory=dict)
+
+
+def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int | None = None,
+                         profile="measure", cost="measure", trace=None, timeout: float = 600.0,
+                         nonfinite: str = "raise", broadcast_buffers: bool = True, warmup_iterations: int = 1,
+                         measure_iterations: int = 3, **options) -> WrapArguments:
+    """``wrap``'s arguments (see there) checked: ConfigError naming the argument otherwise."""
+    planner = planners.get(scheduler)
+    codec = compress.build(compressor)
+    count = 2 if channels is None else channels
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"'channels' must be an integer >= 1, got {channels!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"'timeout' must be a number of seconds > 0, got {timeout!r}")
+    check_nonfinite_mode(nonfinite)
+    for name, value, least in (("warmup_iterations", warmup_iterations, 0), ("measure_iterations", measure_iterations, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{name!r} must be an integer >= {least}, got {value!r}")
+    if trace is not None and not isinstance(trace, (str, Path)):
+        raise ConfigError(f"'trace' must be a file path, got {trace!r}")
+    planner_options = dict(options)
+    if "channels" in planners.option_names(scheduler):
+        planner_options["channels"] = count
+    probe = ModelProfile("probe", (LayerProfile("layer", (TensorSpec("x", 1024),), 1e-3, 1e-3),))
+    planner(probe, CostModel(1e-4, 1e-9), **planner_options)  # rejects unknown or bad planner options
+    return WrapArguments(
+        scheduler=scheduler, codec=codec, channels=count,
+        profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
+        cost=_load(cost, "cost", lambda path: CostModel(**_read_json(path)), CostModel),
+        trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=bool(broadcast_buffers),
+        warmup_iterations=warmup_iterations, measure_iterations=measure_iterations,
+        planner_options=planner_options,
+    )
+
+
+def _read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
+
+
+def _load(value, name: str, loader, kind):
+    """`value` as an object of `kind`, loaded from a JSON path, or None for "measure"."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value == "measure":
+        return None
+    if isinstance(value, (str, Path)):
+        if not Path(value).is_file():
+            raise ConfigError(f"{name!r}: no such file {str(value)!r} (give a {kind.__name__}, a JSON path "
+                              "or 'measure')")
+        return loader(value)
+    raise ConfigError(f"{name!r} must be a {kind.__name__}, a JSON path or 'measure', got {type(value).__name__}")

@@ -1,0 +1,165 @@
+"""A 2-rank DeepSpeed job for tests/test_deepspeed.py, started by the ``deepspeed`` launcher on CPU:
+
+    DS_ACCELERATOR=cpu deepspeed --num_accelerators 2 --master_port P tests/deepspeed_job.py --out DIR
+
+1. ``us_byte`` uncompressed, gradient accumulation 2, without and with gradient clipping (DeepSpeed
+   clips at 1.0 by default): DeepSpeed's engine with gradsync beside a DistributedDataParallel
+   reference run on the same batches in this process;
+2. ``acp_sgd`` with gradient clipping: losses, replica agreement, and a checkpoint round trip
+   through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches.
+Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gradsync.deepspeed
+from gradsync.plan import FORWARD
+
+MICRO_BATCH, FEATURES, OUTPUTS = 8, 8, 4
+SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+QUIET = {"steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, OUTPUTS))
+
+
+def batch(rank: int, step: int):
+    """Rank `rank`'s batch `step` of a fixed linear regression task."""
+    truth = torch.Generator().manual_seed(7)
+    weight = torch.randn(FEATURES, OUTPUTS, generator=truth)
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(MICRO_BATCH, FEATURES, generator=generator)
+    return x, x @ weight
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def micro_step(engine, rank: int, step: int) -> float:
+    x, y = batch(rank, step)
+    loss = nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def ddp_reference(rank: int, steps: int, accumulation: int, clipping: float) -> torch.Tensor:
+    """SGD on DistributedDataParallel with the same batches, accumulating and clipping the
+    averaged gradients' norm like DeepSpeed."""
+    model = mlp()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), **SGD["params"])
+    for step in range(steps):
+        for micro in range(accumulation):
+            x, y = batch(rank, step * accumulation + micro)
+            context = ddp.no_sync() if micro < accumulation - 1 else torch.enable_grad()
+            with context:
+                (nn.functional.mse_loss(ddp(x), y) / accumulation).backward()
+        if clipping:
+            nn.utils.clip_grad_norm_(model.parameters(), clipping)
+        optimizer.step()
+        optimizer.zero_grad()
+    return flat(model)
+
+
+def uncompressed_equivalence(rank: int, cost_path: str, clipping: float) -> dict:
+    accumulation, steps = 2, 8
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": clipping, "optimizer": SGD, **QUIET,
+              "gradsync": {"scheduler": "us_byte", "channels": 2, "cost": cost_path}}
+    model = mlp()
+    engine, optimizer, _, _ = gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                            config=config)
+    for micro in range(steps * accumulation):
+        micro_step(engine, rank, micro)
+    optimizer.synchronize()
+    difference = (flat(engine.module) - ddp_reference(rank, steps, accumulation, clipping)).abs().max().item()
+    result = {"max_abs_difference_to_ddp": difference, "global_steps": engine.global_steps,
+              "synchronised_backward_passes": engine.gradsync.sync_steps,
+              "forward_phase_ops": sum(op.phase == FORWARD for op in engine.gradsync.plan.ops),
+              "backward_allreduce": engine.enable_backward_allreduce,
+              "engine_class": type(engine).__name__}
+    engine.destroy()
+    return result
+
+
+def compressed_with_checkpoint(rank: int, directory: Path) -> dict:
+    steps, saved_at, replay = 30, 20, 4
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": SGD, **QUIET,
+              "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}}}
+    model = mlp()
+    engine, optimizer, _, _ = gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                            config=config)
+    losses = []
+    for step in range(saved_at):
+        losses.append(micro_step(engine, rank, step))
+    engine.save_checkpoint(str(directory), tag="mid")
+    for step in range(saved_at, saved_at + replay):
+        losses.append(micro_step(engine, rank, step))
+    optimizer.synchronize()
+    continued, steps_before_load = flat(engine.module), engine.gradsync.sync_steps
+    engine.load_checkpoint(str(directory), tag="mid")
+    restored_steps = engine.gradsync.sync_steps
+    for step in range(saved_at, saved_at + replay):
+        micro_step(engine, rank, step)
+    optimizer.synchronize()
+    replayed = flat(engine.module)
+    for step in range(saved_at + replay, steps):
+        losses.append(micro_step(engine, rank, step))
+    optimizer.synchronize()
+    checksums = [None] * dist.get_world_size()
+    dist.all_gather_object(checksums, flat(engine.module).double().sum().item())
+    averaged_losses = torch.tensor(losses)
+    dist.all_reduce(averaged_losses)
+    saved = torch.load(directory / "mid" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    result = {"losses": (averaged_losses / dist.get_world_size()).tolist(),
+              "replay_max_abs_difference": (continued - replayed).abs().max().item(),
+              "steps_before_load": steps_before_load,
+              "restored_sync_steps": restored_steps,
+              "checkpoint_gradsync": {k: v for k, v in saved["optimizer"]["gradsync"].items()
+                                      if k in ("codec", "step", "world_size")},
+              "checkpoint_per_rank_entries": len(saved["optimizer"]["gradsync"]["per_rank"] or []),
+              "replica_checksums": checksums, "codec": engine.gradsync.codec.name}
+    engine.destroy()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    cost_path = args.out / "cost.json"
+    if rank == 0:
+        cost_path.write_text(json.dumps({"a": 1e-3, "b": 1e-8, "gamma": 1.0}))
+    dist.barrier()
+    started = time.perf_counter()
+    result = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
+              "accelerator": os.environ.get("DS_ACCELERATOR"),
+              "uncompressed": uncompressed_equivalence(rank, str(cost_path), clipping=0.0),
+              "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), clipping=1.0),
+              "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint")}
+    result["seconds"] = time.perf_counter() - started
+    if rank == 0:
+        (args.out / "result.json").write_text(json.dumps(result, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""gradsync.deepspeed: config checks in-process (no collective may start), and a real 2-rank job
+started by the ``deepspeed`` launcher on CPU (tests/deepspeed_job.py)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+deepspeed = pytest.importorskip("deepspeed")
+
+import gradsync.deepspeed  # noqa: E402
+from gradsync import ConfigError  # noqa: E402
+from gradsync.launch import free_port  # noqa: E402
+
+JOB = Path(__file__).with_name("deepspeed_job.py")
+BASE = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+@pytest.fixture
+def no_deepspeed_start(monkeypatch):
+    """Fail the test if DeepSpeed is started (it would initialise torch.distributed)."""
+    def started(*args, **kwargs):
+        raise AssertionError("deepspeed.initialize was called")
+
+    monkeypatch.setattr(deepspeed, "initialize", started)
+
+
+def refused(section: dict | None = None, **config) -> str:
+    ds_config = {**BASE, **config}
+    if section is not None:
+        ds_config["gradsync"] = section
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError) as error:
+        gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    assert not torch.distributed.is_initialized()
+    return str(error.value)
+
+
+def test_unknown_key_lists_valid_keys(no_deepspeed_start):
+    message = refused({"scheduler": "wfbp", "bucket_mb": 25})
+    assert "bucket_mb" in message
+    assert all(key in message for key in ("scheduler", "compressor", "channels", "options", "transport"))
+
+
+def test_zero_stage_other_than_0(no_deepspeed_start):
+    assert "stage" in refused({"scheduler": "wfbp"}, zero_optimization={"stage": 2})
+    assert "is 1" in refused({}, zero_optimization=True)  # DeepSpeed reads a bare true as stage 1
+
+
+def test_compressor_with_compressed_optimizer(no_deepspeed_start):
+    message = refused({"compressor": {"type": "acp_sgd", "rank": 4}},
+                      optimizer={"type": "OneBitAdam", "params": {"lr": 1e-3}})
+    assert "acp_sgd" in message and "onebitadam" in message
+
+
+def test_forest_transport_not_available_yet(no_deepspeed_start):
+    message = refused({"transport": "forest"})
+    assert "gradsync.transport" in message and "forest" in message and "allreduce" in message
+
+
+def test_bad_scheduler_names_key_and_choices(no_deepspeed_start):
+    message = refused({"scheduler": "fastest"})
+    assert "gradsync.scheduler" in message and "us_byte" in message and "mg_wfbp" in message
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"channels": 0}, "gradsync.channels"),
+    ({"timeout": -1}, "gradsync.timeout"),
+    ({"nonfinite": "zero"}, "gradsync.nonfinite"),
+    ({"profile": "missing.json"}, "gradsync.profile"),
+    ({"compressor": {"rank": 4}}, "gradsync.compressor"),
+    ({"compressor": "gzip"}, "gradsync.compressor"),
+    ({"compressor": {"type": "acp_sgd", "rnak": 4}}, "gradsync.compressor"),
+    ({"options": {"channels": 3}}, "gradsync.options"),
+    ({"options": [1]}, "gradsync.options"),
+])
+def test_bad_values_name_the_key(no_deepspeed_start, section, key):
+    assert key in refused(section)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"bf16": {"enabled": True}}, "bf16"),
+    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, "torch_autocast"),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+])
+def test_deepspeed_settings_gradsync_cannot_serve(no_deepspeed_start, changes, needle):
+    assert needle in refused({}, **changes)
+
+
+def test_needs_an_optimizer(no_deepspeed_start):
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="optimizer"):
+        gradsync.deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 4, "gradsync": {}})
+
+
+def test_section_read_from_json_path(no_deepspeed_start, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BASE, "gradsync": {"schedular": "wfbp"}}))
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match="schedular"):
+        gradsync.deepspeed.initialize(model=model, config=str(path))
+
+
+def test_without_section_is_plain_deepspeed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kwargs: calls.append(kwargs) or ("engine", None, None, None))
+    model = nn.Linear(4, 2)
+    assert gradsync.deepspeed.initialize(model=model, config=BASE, dist_init_required=False)[0] == "engine"
+    assert calls == [dict(args=None, model=model, optimizer=None, model_parameters=None, config=BASE,
+                          dist_init_required=False)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_job(tmp_path_factory):
+    """Run tests/deepspeed_job.py on 2 CPU ranks with the deepspeed launcher; its result.json."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    if not launcher.exists():
+        launcher = shutil.which("deepspeed")
+    if launcher is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    out = tmp_path_factory.mktemp("deepspeed_job")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    command = [str(launcher), "--num_accelerators", "2", "--master_port", str(free_port()), str(JOB), "--out", str(out)]
+    finished = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-4000:] + finished.stderr[-4000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_launcher_runs_two_cpu_ranks_on_gloo(two_rank_job):
+    assert (two_rank_job["world_size"], two_rank_job["backend"], two_rank_job["accelerator"]) == (2, "gloo", "cpu")
+
+
+@pytest.mark.parametrize("run", ["uncompressed", "uncompressed_clipped"])
+def test_uncompressed_us_byte_matches_ddp(two_rank_job, run):
+    result = two_rank_job[run]
+    assert result["engine_class"] == "GradSyncDeepSpeedEngine" and result["backward_allreduce"] is False
+    assert result["global_steps"] == 8  # 16 micro-batches, accumulation 2
+    assert result["synchronised_backward_passes"] == 8  # only the accumulation boundaries communicate
+    assert result["max_abs_difference_to_ddp"] <= 1e-6
+
+
+def test_uncompressed_run_deferred_updates_into_the_next_forward(two_rank_job):
+    assert two_rank_job["uncompressed"]["forward_phase_ops"] > 0
+
+
+def test_acp_sgd_loss_decreases_and_replicas_agree(two_rank_job):
+    result = two_rank_job["acp_sgd"]
+    assert result["codec"] == "acp_sgd"
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
+    first, second = result["replica_checksums"]
+    assert first == second
+
+
+def test_checkpoint_carries_gradsync_state(two_rank_job):
+    result = two_rank_job["acp_sgd"]
+    assert result["checkpoint_gradsync"] == {"codec": "acp_sgd", "step": 20, "world_size": 2}
+    assert result["checkpoint_per_rank_entries"] == 2  # each rank's error feedback
+    assert (result["steps_before_load"], result["restored_sync_steps"]) == (24, 20)
+    assert result["replay_max_abs_difference"] == 0.0
