@@ -31,7 +31,8 @@ setup(
         "triton": ["triton==3.9.0"],
         # DeepSpeed builds from source: install it after torch with --no-build-isolation
         "deepspeed": ["deepspeed>=0.16"],
-        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "deepspeed>=0.16"],
+        "optuna": ["hydra-optuna-sweeper==1.3.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "deepspeed>=0.16", "hydra-optuna-sweeper==1.3.0"],
     },
     entry_points={"console_scripts": ["gradsync=gradsync.cli:main", "gradsync-train=gradsync.recipes.app:main"]},
 )

@@ -317,3 +317,22 @@ def nccl_single_rank(rank, world_size):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_nccl_training_matches_single_process():
     assert run_local(nccl_single_rank, 1, backend="nccl")[0] < 1e-5
+
+
+def measured_with_planner_options(rank, world_size):
+    torch.manual_seed(0)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="asc_wfbp",
+                                     channels=3, warmup_iterations=0, measure_iterations=1)
+    for step in range(2):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+    sync = attached(model)
+    planner = sync.plan.planner
+    sync.detach()
+    return planner
+
+
+def test_measurement_runs_wfbp_without_the_planners_options_then_the_planner_with_them():
+    assert run_local(measured_with_planner_options, 2) == ["asc_wfbp", "asc_wfbp"]

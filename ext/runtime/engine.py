@@ -99,8 +99,9 @@ class GradSync:
     def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None) -> None:
         """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
         rank), check the hashes on every rank, and execute the plans from the next backward pass."""
-        layout_plans = plan_layouts(profile, cost, planner_name or self.planner_name, self.codec,
-                                    self.planner_options)
+        planner = planner_name or self.planner_name
+        options = self.planner_options if planner == self.planner_name else {}  # the calibration plan takes none
+        layout_plans = plan_layouts(profile, cost, planner, self.codec, options)
         plans = {layout: entry.plan for layout, entry in layout_plans.items()}
         self._check_same_plans(plans)
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
