@@ -247,6 +247,7 @@ def non_finite_skipped(rank, world_size):
     F.cross_entropy(model(x), y).backward()
     optimizer.step()
     before = {k: v.clone() for k, v in codec.errors.items()}
+    factors = [t.clone() for k in sorted(codec.p_prev) for t in (codec.p_prev[k], codec.q_prev[k])]
     parameters = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
     loss = F.cross_entropy(model(x), y)
@@ -257,8 +258,11 @@ def non_finite_skipped(rank, world_size):
     errors_finite = all(bool(torch.isfinite(e).all()) for e in codec.errors.values())
     first_layer_error_kept = torch.equal(codec.errors["0.weight"], before["0.weight"]) if rank == 1 else True
     unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), parameters))
+    # the output layers' ops finish before the input layer's non-finite one: none may commit
+    after = [t for k in sorted(codec.p_prev) for t in (codec.p_prev[k], codec.q_prev[k])]
+    factors_kept = all(torch.equal(a, b) for a, b in zip(after, factors))
     attached(model).detach()
-    return errors_finite, first_layer_error_kept, unchanged
+    return errors_finite, first_layer_error_kept, unchanged and factors_kept
 
 
 def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_everywhere():

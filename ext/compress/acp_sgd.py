@@ -10,8 +10,6 @@ for plain gradients (§IV-B): the runtime plans the P and Q layouts separately o
 """
 from __future__ import annotations
 
-import math
-import warnings
 import zlib
 from typing import Mapping
 
@@ -19,8 +17,9 @@ import torch
 
 from ..errors import ConfigError
 from ..profile import TensorSpec
-from ..triton_kernels import error_feedback_update
 from .codec import Codec
+from .gradients import all_finite
+from .low_rank import check_options, select_matrices, subtract_low_rank
 from .orthogonalize import orthogonalize
 
 PLAIN, P_STEP, Q_STEP = "plain", "P", "Q"
@@ -36,17 +35,7 @@ class ACPSGD(Codec):
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
                  error_feedback: bool = True, reuse: bool = True, seed: int | None = None):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-            raise ConfigError(f"compressor 'acp_sgd': 'rank' must be an integer >= 1, got {rank!r}")
-        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
-                or not math.isfinite(min_compression_rate) or min_compression_rate < 0:
-            raise ConfigError(f"compressor 'acp_sgd': 'min_compression_rate' must be a number >= 0, "
-                              f"got {min_compression_rate!r}")
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-            raise ConfigError(f"compressor 'acp_sgd': 'start_iter' must be an integer >= 0, got {start_iter!r}")
-        for field, value in (("error_feedback", error_feedback), ("reuse", reuse)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"compressor 'acp_sgd': {field!r} must be true or false, got {value!r}")
+        check_options(self.name, rank, min_compression_rate, start_iter, error_feedback=error_feedback, reuse=reuse)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ConfigError(f"compressor 'acp_sgd': 'seed' must be an integer >= 0, got {seed!r}")
         self.fixed_seed = seed
@@ -61,21 +50,7 @@ class ACPSGD(Codec):
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
         super().setup(specs, world_size, seed)
         self.seed = seed = seed if self.fixed_seed is None else self.fixed_seed
-        self.shapes: dict[str, tuple[int, int, int]] = {}  # compressed tensors: (n, m, r)
-        clipped = []
-        for name in sorted(specs):
-            matrix = specs[name].matrix_shape()
-            if matrix is None:
-                continue
-            n, m = matrix
-            r = min(self.rank, n, m)
-            if r < self.rank:
-                clipped.append(name)
-            if (n + m) * r * self.min_compression_rate < n * m:
-                self.shapes[name] = (n, m, r)
-        if clipped:
-            warnings.warn(f"acp_sgd: rank {self.rank} exceeds min(n, m) of {len(clipped)} tensor(s) "
-                          f"(e.g. {clipped[0]!r}); clipped to min(n, m) for those", stacklevel=2)
+        self.shapes = select_matrices(self.name, specs, self.rank, self.min_compression_rate)  # (n, m, r)
         generator = torch.Generator().manual_seed(seed)
         self.p_prev: dict[str, torch.Tensor] = {}
         self.q_prev: dict[str, torch.Tensor] = {}
@@ -131,11 +106,12 @@ class ACPSGD(Codec):
         if layout == P_STEP:  # P = (M + E)·Q
             factor = matrix @ query if error is None else torch.addmm(error @ query, matrix, query)
             left, right = factor, query
-        else:  # Q = (M + E)ᵀ·P
-            factor = matrix.T @ query if error is None else torch.addmm(error.T @ query, matrix.T, query)
+        else:  # Q = (M + E)ᵀ·P = (Pᵀ·(M + E))ᵀ: row-major products are the fast ones
+            transposed = query.T @ matrix if error is None else torch.addmm(query.T @ error, query.T, matrix)
+            factor = transposed.T.contiguous()
             left, right = query, factor
-        if error is not None and bool(torch.isfinite(matrix).all()):
-            error_feedback_update(matrix, error, left, right)  # E ← M + E − P·Qᵀ, local factors
+        if error is not None and all_finite(matrix):
+            subtract_low_rank(matrix, error, left, right)  # E ← M + E − P·Qᵀ, local factors
         return factor.reshape(-1)
 
     def _error(self, name: str, matrix: torch.Tensor) -> torch.Tensor | None:
@@ -175,18 +151,13 @@ class ACPSGD(Codec):
         n, m, r = self.shapes[name]
         averaged = self.staging[name]
         if layout == P_STEP:
-            p_mean = averaged.view(n, r)
-            approximation = p_mean @ self.query[name].T
-            self.p_prev[name] = p_mean.clone()
-            self.q_prev[name] = self.query[name]
+            left = self.p_prev[name] = averaged.view(n, r).clone()
+            right = self.q_prev[name] = self.query[name]
         else:
-            q_mean = averaged.view(m, r)
-            approximation = self.query[name] @ q_mean.T
-            self.q_prev[name] = q_mean.clone()
-            self.p_prev[name] = self.query[name]
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-        parameter.grad.copy_(approximation.view_as(parameter))
+            right = self.q_prev[name] = averaged.view(m, r).clone()
+            left = self.p_prev[name] = self.query[name]
+        gradient = super().reduced_target(name, parameter, step).view(n, m)
+        torch.mm(left, right.T, out=gradient)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:

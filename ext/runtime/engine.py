@@ -168,6 +168,7 @@ class GradSync:
             previous, self.executor = self.executor, self.executors[layout]
             previous.wait_all()
             self.executor.start_iteration(previous.step, ready=previous.ready)
+            self.executor.skip_step = previous.skip_step  # a skip found in one round holds for the step
             self.executor.end_backward()
 
     def _root_pre_forward(self, _module, _inputs) -> None:

@@ -100,6 +100,7 @@ class PlanExecutor:
         self.ops_left = {name: len(indices) for name, indices in self.ops_of_tensor.items()}
         self.backward_over = False
         self.skip_step = False
+        self.finishable: list[str] = []
 
     def mark_ready(self, name: str) -> None:
         """Called from the gradient hook of parameter `name`."""
@@ -185,10 +186,20 @@ class PlanExecutor:
                 target[..., offset:offset + length].copy_(data[..., position:position + length])
         for name in state.tensors:
             self.ops_left[name] -= 1
-            if self.ops_left[name] == 0 and used[name] and not self.skip_step:
-                self.codec.finish(name, self.parameters[name], self.step)
-                if check and not data.is_floating_point() and not bool(torch.isfinite(self.parameters[name].grad).all()):
-                    self._non_finite([name])
+            if self.ops_left[name] == 0 and used[name]:
+                self.finishable.append(name)
+        if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
+            self._finish(check_decoded=check and not data.is_floating_point())
+
+    def _finish(self, check_decoded: bool) -> None:
+        """Let the codec write the gradients of the tensors whose ops are all done."""
+        names, self.finishable = self.finishable, []
+        for name in names:
+            if self.skip_step:
+                return
+            self.codec.finish(name, self.parameters[name], self.step)
+            if check_decoded and not bool(torch.isfinite(self.parameters[name].grad).all()):
+                self._non_finite([name])
 
     def _non_finite(self, bad: list[str]) -> None:
         if self.nonfinite == "skip":
@@ -204,6 +215,7 @@ class PlanExecutor:
     def wait_all(self) -> None:
         for index in range(len(self.ops)):
             self.wait(index)
+        self._finish(check_decoded=self.nonfinite != "ignore" and not self.ops[0].buffer.is_floating_point())
 
     def complete(self, name: str) -> bool:
         return all(self.ops[i].done for i in self.ops_of_tensor[name])

@@ -1,0 +1,99 @@
+"""Compression + decompression time per step on the CPU: ACP-SGD against Power-SGD (acp-sgd §IV-A).
+
+ACP-SGD computes one low-rank factor per step where Power-SGD computes both (Algorithm 1), so its
+per-step compression cost should be about half (both still pay the error-feedback update and the
+approximation P·Qᵀ every step): target ACP-SGD ≤ 0.55× Power-SGD. Tensors are one
+BERT-base encoder layer's weight matrices (768×768 ×4, 768×3072, 3072×768) and the 30522×768 word
+embedding, rank 4, error feedback on. World size 1: every round is encode, the wire copied into the
+codec's reduced target, finish; no communication. A step's time is the mean of two consecutive
+steps (ACP-SGD's P step and Q step); the median over repeats is reported. Sign-SGD and Top-k
+(density 0.01) rows are for reference.
+
+Run: `.venv/bin/python benchmarks/compression_speed.py` (about a minute on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gradsync import compress
+from gradsync.profile import TensorSpec
+
+GROUPS = {
+    "768×768 ×4": [(768, 768)] * 4,
+    "768×3072": [(768, 3072)],
+    "3072×768": [(3072, 768)],
+    "30522×768": [(30522, 768)],
+}
+CODECS = {
+    "ACP-SGD": ("acp_sgd", {"rank": 4}),
+    "Power-SGD": ("powersgd", {"rank": 4}),
+    "Sign-SGD": ("signsgd", {}),
+    "Top-k 1%": ("topk", {"density": 0.01}),
+}
+TARGET = 0.55
+
+
+def step_seconds(codec, parameters: dict, gradients: dict, step: int) -> float:
+    """One step of every round of `codec` over `parameters` on one worker; the gradients are reset
+    first, outside the timing (finish overwrites them)."""
+    for name, parameter in parameters.items():
+        parameter.grad.copy_(gradients[name])
+    started = time.perf_counter()
+    for _ in codec.rounds(step):
+        for name, parameter in parameters.items():
+            wire = codec.encode(name, parameter.grad, step)
+            target = codec.reduced_target(name, parameter, step)
+            target.copy_(wire if codec.collective == "allreduce" else wire.unsqueeze(0))
+            codec.finish(name, parameter, step)
+    return time.perf_counter() - started
+
+
+def prepared(codec_name: str, options: dict, gradients: dict) -> tuple:
+    """A codec set up for `gradients` on one worker, and parameters holding gradient buffers."""
+    parameters = {name: torch.nn.Parameter(torch.zeros_like(g)) for name, g in gradients.items()}
+    for parameter in parameters.values():
+        parameter.grad = torch.zeros_like(parameter)
+    codec = compress.get(codec_name, **options)
+    codec.setup({name: TensorSpec(name, g.numel(), 4, tuple(g.shape)) for name, g in gradients.items()}, 1, seed=0)
+    return codec, parameters
+
+
+def median_steps(shapes: list[tuple[int, int]], repeats: int) -> dict[str, float]:
+    """Per codec: the median over `repeats` pairs of consecutive steps of the mean step time, after
+    one warm-up pair. The codecs take turns within each repeat, so that load from other processes
+    falls on all of them alike."""
+    generator = torch.Generator().manual_seed(0)
+    gradients = {f"w{i}": torch.randn(shape, generator=generator) for i, shape in enumerate(shapes)}
+    codecs = {label: prepared(name, options, gradients) for label, (name, options) in CODECS.items()}
+    samples: dict[str, list[float]] = {label: [] for label in CODECS}
+    for pair in range(repeats + 1):
+        for label, (codec, parameters) in codecs.items():
+            seconds = sum(step_seconds(codec, parameters, gradients, 2 * pair + half) for half in (0, 1)) / 2
+            if pair:
+                samples[label].append(seconds)
+    return {label: statistics.median(values) for label, values in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="measured pairs of steps (default 3)")
+    args = parser.parse_args()
+    times = {group: median_steps(shapes, args.repeats) for group, shapes in GROUPS.items()}
+    times["total"] = {label: sum(times[group][label] for group in GROUPS) for label in CODECS}
+    print(f"per-step compression + decompression, ms (CPU, {torch.get_num_threads()} threads, rank 4, "
+          f"median of {args.repeats})")
+    print(f"| tensors | {' | '.join(CODECS)} | ACP / Power |")
+    print("|---" * (len(CODECS) + 2) + "|")
+    for group, row in times.items():
+        ratio = row["ACP-SGD"] / row["Power-SGD"]
+        print(f"| {group} | {' | '.join(f'{row[label] * 1e3:.1f}' for label in CODECS)} | {ratio:.2f} |")
+    total = times["total"]["ACP-SGD"] / times["total"]["Power-SGD"]
+    print(f"ACP-SGD / Power-SGD = {total:.2f} (target ≤ {TARGET}): {'met' if total <= TARGET else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

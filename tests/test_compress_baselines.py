@@ -1,0 +1,573 @@
+"""The compression baselines as codecs: Power-SGD (acp-sgd Algorithm 1, left), EF-SignSGD with and
+without majority vote, and Top-k. One-worker semantics and error-feedback conservation; on two
+ranks, decoded gradients against uncompressed averaging (torch DDP) or against each rank's
+gradients decoded by hand, bytes on the wire, checkpoints; bad input."""
+import copy
+import math
+import random
+import struct
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync import ConfigError, compress
+from gradsync.compress.powersgd import PowerSGD
+from gradsync.compress.signsgd import SignSGD
+from gradsync.compress.topk import TopK, index_words, indices_from_words
+from gradsync.launch import run_local
+from gradsync.profile import TensorSpec
+from gradsync.runtime import attached
+from runtime_models import COST, TiedNet, batch, synthetic_profile
+
+
+# -- one worker: world size 1 -------------------------------------------------------------------
+
+def gathered_step(codec, name, gradient, step):
+    """Encode, 'all-gather' on one worker (a (1, wire) stack), finish: the decoded gradient."""
+    parameter = nn.Parameter(torch.zeros_like(gradient))
+    wire = codec.encode(name, gradient, step)
+    codec.reduced_target(name, parameter, step).copy_(wire.unsqueeze(0))
+    codec.finish(name, parameter, step)
+    return parameter.grad
+
+
+def powersgd_step(codec, gradients, step):
+    """Round P for every tensor, then round Q, each 'all-reduced' on one worker."""
+    parameters = {name: nn.Parameter(torch.zeros_like(g)) for name, g in gradients.items()}
+    for name, gradient in gradients.items():
+        parameters[name].grad = gradient.clone()
+    for _ in codec.rounds(step):
+        for name, parameter in parameters.items():
+            wire = codec.encode(name, parameter.grad, step)
+            codec.reduced_target(name, parameter, step).copy_(wire)
+            codec.finish(name, parameter, step)
+    return {name: parameter.grad for name, parameter in parameters.items()}
+
+
+def specs_of(gradients):
+    return {name: TensorSpec(name, g.numel(), g.element_size(), tuple(g.shape)) for name, g in gradients.items()}
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: SignSGD(), lambda: TopK(density=0.05)],
+                         ids=["powersgd", "signsgd", "topk"])
+def test_error_feedback_conserves_the_gradient_sum(make):
+    codec = make()
+    shapes = {"w": (30, 20), "b": (30,)}
+    codec.setup(specs_of({n: torch.zeros(s) for n, s in shapes.items()}), 1, seed=5)
+    generator = torch.Generator().manual_seed(0)
+    applied = {n: torch.zeros(s) for n, s in shapes.items()}
+    total = {n: torch.zeros(s) for n, s in shapes.items()}
+    for step in range(6):
+        gradients = {n: torch.randn(s, generator=generator) for n, s in shapes.items()}
+        if isinstance(codec, PowerSGD):
+            decoded = powersgd_step(codec, gradients, step)
+        else:
+            decoded = {n: gathered_step(codec, n, g, step) for n, g in gradients.items()}
+        for name in shapes:
+            total[name] += gradients[name]
+            applied[name] += decoded[name]
+            error = codec.errors.get(name, torch.zeros(shapes[name])).view(shapes[name])
+            # Σ applied_t + E_t = Σ M_t after every step
+            assert torch.allclose(applied[name] + error, total[name], atol=1e-4)
+    assert codec.errors["w"].abs().max() > 1e-2  # every codec is lossy on a random 30 × 20 matrix
+
+
+# -- Power-SGD on one worker ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(8, 8), (8, 4, 2), (6, 10), (10, 6)])
+def test_powersgd_at_full_rank_is_exact(shape):
+    n, m = shape[0], math.prod(shape[1:])
+    codec = PowerSGD(rank=min(n, m), min_compression_rate=0)
+    codec.setup({"w": TensorSpec("w", n * m, 4, shape)}, 1, seed=1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        gradient = torch.randn(shape, generator=generator)
+        assert torch.allclose(powersgd_step(codec, {"w": gradient}, step)["w"], gradient, atol=1e-5)
+
+
+def test_powersgd_rounds_and_wire_sizes():
+    codec = PowerSGD(rank=4)
+    specs = {
+        "big": TensorSpec("big", 64 * 32, 4, (64, 32)),  # (64 + 32)·4·2 = 768 < 2048: compressed
+        "small": TensorSpec("small", 8 * 8, 4, (8, 8)),  # (8 + 8)·4·2 = 128 ≥ 64: whole in round P
+        "bias": TensorSpec("bias", 64, 4, (64,)),
+    }
+    codec.setup(specs, 2, seed=0)
+    assert set(codec.shapes) == {"big"}
+    assert codec.rounds(0) == ("P", "Q") and codec.layouts() == ("P", "Q")
+    assert [PowerSGD(start_iter=2).rounds(s) for s in (1, 2)] == [("plain",), ("P", "Q")]
+    assert [codec.wire_spec(specs["big"], layout).numel for layout in ("P", "Q")] == [64 * 4, 32 * 4]
+    assert [codec.wire_spec(specs["small"], layout).numel for layout in ("P", "Q")] == [64, 1]
+    assert [codec.wire_spec(specs["bias"], layout).numel for layout in ("P", "Q")] == [64, 1]
+
+
+def test_powersgd_round_q_sends_nan_when_round_p_was_not_applied():
+    """A step skipped in round P (its finish never ran) must be skipped by round Q's check too."""
+    codec = PowerSGD(rank=2)
+    generator = torch.Generator().manual_seed(2)
+    gradients = {"w": torch.randn(16, 12, generator=generator), "b": torch.randn(16, generator=generator)}
+    codec.setup(specs_of(gradients), 1, seed=0)
+    for name, gradient in gradients.items():
+        codec.encode(name, gradient, 0)  # round P, never finished
+    for name, gradient in gradients.items():
+        assert torch.isnan(codec.encode(name, gradient, 0)).all()  # round Q
+    for name in gradients:
+        codec.encode(name, None, 1)
+        assert codec.encode(name, None, 1) is None  # no gradient on this rank: nothing to flag
+
+
+def test_powersgd_fresh_queries_change_every_step_and_agree_across_replicas():
+    gradient = torch.randn(12, 10, generator=torch.Generator().manual_seed(4))
+    first, second = PowerSGD(rank=2, warm_start=False, error_feedback=False), PowerSGD(rank=2, warm_start=False,
+                                                                                       error_feedback=False)
+    for codec in (first, second):
+        codec.setup(specs_of({"w": gradient}), 1, seed=9)
+    p_first = [first.encode("w", gradient, step) for step in (0, 1)]
+    assert torch.equal(p_first[0], second.encode("w", gradient, 0))
+    assert not torch.allclose(p_first[0], p_first[1])
+
+
+# -- Sign-SGD and Top-k on one worker -------------------------------------------------------------
+
+def test_signsgd_wire_is_the_sign_bits_then_the_scale():
+    gradient = torch.tensor([0.5, -1.0, 0.0, 2.0, -0.25, 3.0, -3.0, 1.0, -2.0])
+    codec = SignSGD()
+    codec.setup(specs_of({"g": gradient}), 1, seed=0)
+    wire = codec.encode("g", gradient, 0)
+    scale = 12.75 / 9  # ‖g‖₁ / numel
+    # bit i of byte j is g[8j + i] >= 0: elements 0, 2, 3, 5, 7 -> 1 + 4 + 8 + 32 + 128
+    assert wire.tolist() == [173, 0, *struct.pack("<f", scale)]
+    assert codec.wire_spec(TensorSpec("g", 9), "plain").numel == 2 + 4
+    signs = torch.tensor([1.0, -1, 1, 1, -1, 1, -1, 1, -1])
+    parameter = nn.Parameter(torch.zeros(9))
+    codec.reduced_target("g", parameter, 0).copy_(wire.unsqueeze(0))
+    codec.finish("g", parameter, 0)
+    assert torch.allclose(parameter.grad, scale * signs)
+    assert torch.allclose(codec.errors["g"], gradient - scale * signs)  # E = p − s·sign(p)
+
+
+def test_topk_sends_the_k_largest_magnitudes_and_their_indices():
+    gradient = torch.tensor([0.1, -5.0, 0.3, 4.0, -0.2, 0.05, 3.0, -0.4, 0.0, 1.0])
+    codec = TopK(density=0.3, error_feedback=False)
+    codec.setup(specs_of({"g": gradient}), 1, seed=0)
+    wire = codec.encode("g", gradient, 0)
+    assert wire[:3].tolist() == [-5.0, 4.0, 3.0]
+    assert wire[3:].view(torch.int32).tolist() == [1, 3, 6]
+    expected = torch.zeros(10)
+    expected[[1, 3, 6]] = torch.tensor([-5.0, 4.0, 3.0])
+    assert torch.equal(gathered_step(codec, "g", gradient, 1), expected)
+
+
+@pytest.mark.parametrize("density, numel, k", [(0.07, 100, 7), (0.01, 5, 1), (1, 13, 13), (0.5, 3, 2)])
+def test_topk_k_is_the_ceiling_of_density_times_numel(density, numel, k):
+    codec = TopK(density=density)
+    codec.setup({"g": TensorSpec("g", numel, 4, (numel,))}, 2, seed=0)
+    assert codec.k("g") == k and codec.wire_spec(TensorSpec("g", numel, 4), "plain").numel == 2 * k
+
+
+@pytest.mark.parametrize("dtype, largest", [(torch.float16, 2**28 - 1), (torch.bfloat16, 2**28 - 1),
+                                            (torch.float32, 0x7F800000 - 1), (torch.float64, 2**40)])
+def test_topk_index_words_round_trip_and_read_as_finite_floats(dtype, largest):
+    indices = torch.tensor([0, 1, 0x3FFF, 0x4000, 0x7C00, 0xFFFF, 2**23, largest])
+    indices = indices[indices <= largest]
+    words = index_words(indices, dtype)
+    assert words.dtype == dtype and words.numel() == indices.numel() * (2 if dtype.itemsize == 2 else 1)
+    assert bool(torch.isfinite(words).all())  # the runtime's non-finite check must not fire on indices
+    assert torch.equal(indices_from_words(torch.stack([words, words])), torch.stack([indices, indices]))
+
+
+@pytest.mark.parametrize("make", [lambda: SignSGD(), lambda: SignSGD(majority_vote=True), lambda: TopK(density=0.2)],
+                         ids=["signsgd", "signsgd-majority", "topk"])
+def test_non_finite_gradients_decode_non_finite_and_never_enter_the_error(make):
+    codec = make()
+    codec.setup({"g": TensorSpec("g", 20, 4, (20,))}, 1, seed=0)
+    generator = torch.Generator().manual_seed(6)
+    gathered_step(codec, "g", torch.randn(20, generator=generator), 0)
+    before = codec.errors["g"].clone()
+    bad = torch.randn(20, generator=generator)
+    bad[7] = float("inf")
+    assert not bool(torch.isfinite(gathered_step(codec, "g", bad, 1)).all())
+    assert torch.equal(codec.errors["g"], before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("make", [lambda: SignSGD(), lambda: TopK(density=0.25)], ids=["signsgd", "topk"])
+def test_other_float_dtypes_keep_the_conservation(make, dtype):
+    codec = make()
+    gradient = torch.randn(8, 6, generator=torch.Generator().manual_seed(3)).to(dtype)
+    codec.setup(specs_of({"g": gradient}), 1, seed=0)
+    decoded = gathered_step(codec, "g", gradient, 0)
+    assert decoded.dtype == dtype
+    # decoded + E = M up to rounding E and the scale to the dtype: a few units of its epsilon
+    tolerance = 2 * torch.finfo(dtype).eps * gradient.abs().max().item()
+    assert torch.allclose((decoded + codec.errors["g"].view(8, 6)).double(), gradient.double(), atol=tolerance)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, options, field", [
+    ("powersgd", {"rank": 0}, "rank"), ("powersgd", {"rank": 2.5}, "rank"),
+    ("powersgd", {"min_compression_rate": -1}, "min_compression_rate"),
+    ("powersgd", {"start_iter": -1}, "start_iter"), ("powersgd", {"warm_start": "yes"}, "warm_start"),
+    ("powersgd", {"reuse": True}, "reuse"),
+    ("signsgd", {"majority_vote": 1}, "majority_vote"), ("signsgd", {"error_feedback": None}, "error_feedback"),
+    ("signsgd", {"scale": 2}, "scale"),
+    ("topk", {"density": 0}, "density"), ("topk", {"density": 1.5}, "density"), ("topk", {"density": True}, "density"),
+    ("topk", {"density": float("nan")}, "density"), ("topk", {"k": 10}, "k"),
+])
+def test_bad_options_name_the_field(name, options, field):
+    with pytest.raises(ConfigError, match=field):
+        compress.get(name, **options)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "signsgd", "topk"])
+def test_non_floating_gradients_are_refused_in_setup(name):
+    with pytest.raises(ConfigError, match="floating point"):
+        compress.get(name).setup({"flags": TensorSpec("flags", 64, 1, (8, 8))}, 2, seed=0)
+
+
+def test_topk_refuses_half_precision_tensors_its_indices_cannot_address():
+    with pytest.raises(ConfigError, match="more elements"):
+        TopK().setup({"huge": TensorSpec("huge", 2**28 + 1, 2, (2**14, 2**14 + 1))}, 2, seed=0)
+
+
+# -- on two ranks -------------------------------------------------------------------------------
+
+def loss_of(model, rank, step):
+    tokens, targets = batch(rank, step)
+    return F.cross_entropy(model(tokens, use_rank0_branch=rank == 0), targets)
+
+
+def seeded_model():
+    torch.manual_seed(0)
+    return TiedNet()
+
+
+def wrapped(compressor, scheduler="wfbp", momentum=0.0, model=None, codec_seed=0, **options):
+    """`model` wrapped with `compressor`; `codec_seed` seeds the Python RNG that wrap draws the
+    codec's shared seed from (Power-SGD's initial Q depends on it)."""
+    model = model or seeded_model()
+    random.seed(codec_seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    return gradsync.wrap(model, optimizer, scheduler=scheduler, compressor=compressor,
+                         profile=synthetic_profile(model), cost=COST, **options)
+
+
+def gradient_gap_to_ddp(rank, compressor, scheduler, steps=3, **options) -> float:
+    """Largest difference between the decoded gradients and torch DDP's averaged ones."""
+    model = seeded_model()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = wrapped(compressor, scheduler, model=model, **options)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(steps):
+        for m, o in ((model, optimizer), (reference, reference_optimizer)):
+            o.zero_grad()
+            loss_of(m, rank, step).backward()
+        optimizer.synchronize()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            if (p.grad is None) != (q.grad is None):
+                return math.inf
+            if q.grad is not None:
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+        optimizer.step()
+        reference_optimizer.step()
+    attached(model).detach()
+    return worst
+
+
+def resume_gap(rank, compressor) -> float:
+    """6 steps straight vs 3 steps, state_dict, fresh wrap, load_state_dict, 3 more steps."""
+    def train(model, optimizer, steps):
+        for step in steps:
+            optimizer.zero_grad()
+            loss_of(model, rank, step).backward()
+            optimizer.step()
+
+    model, optimizer = wrapped(compressor, "mg_wfbp", momentum=0.9)
+    train(model, optimizer, range(6))
+    optimizer.synchronize()
+    straight = [p.detach().clone() for p in model.parameters()]
+    attached(model).detach()
+    model, optimizer = wrapped(compressor, "mg_wfbp", momentum=0.9)
+    train(model, optimizer, range(3))
+    state = copy.deepcopy((model.state_dict(), optimizer.state_dict()))  # a collective: every rank
+    attached(model).detach()
+    model, optimizer = wrapped(compressor, "mg_wfbp", momentum=0.9, codec_seed=1)  # the seed comes from the state
+    model.load_state_dict(state[0])
+    optimizer.load_state_dict(state[1])
+    train(model, optimizer, range(3, 6))
+    optimizer.synchronize()
+    attached(model).detach()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), straight))
+
+
+def wire_bytes_and_flags(compressor) -> dict:
+    """Per layout: (bytes of the executor's buffers, flags in its plan, {tensor: numel})."""
+    model, _ = wrapped(compressor)
+    sync = attached(model)
+    result = {layout: (executor.wire_bytes(), sum(len(op.tensors()) for op in sync.plans[layout].ops))
+              for layout, executor in sync.executors.items()}
+    sync.detach()
+    return result
+
+
+def parameter_shapes() -> dict:
+    return {name: tuple(p.shape) for name, p in TiedNet().named_parameters() if p.requires_grad}
+
+
+def decoded_against_hand_computed(rank, compressor, expected_of, steps=3) -> float:
+    """Each step: this rank's own gradient M_r (under no_sync), then the synchronised one; every
+    rank's p_r = M_r + E_r is gathered and `expected_of(ps, name)` decodes it by hand; E_r is kept
+    by hand with `expected_of.error(p)`. Returns the largest gap to the runtime's gradients."""
+    model, optimizer = wrapped(compressor)
+    errors, worst = {}, 0.0
+    for step in range(steps):
+        optimizer.zero_grad()
+        with gradsync.no_sync(model):
+            loss_of(model, rank, step).backward()
+        own = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.zero_grad()
+        loss_of(model, rank, step).backward()
+        optimizer.synchronize()
+        corrected = {n: own.get(n, 0) + errors.get(n, 0) for n in own.keys() | errors.keys()}
+        everyone = [None, None]
+        dist.all_gather_object(everyone, corrected)
+        for name, parameter in model.named_parameters():
+            ps = [c[name] for c in everyone if name in c]
+            if not ps:
+                worst = max(worst, 0.0 if parameter.grad is None else math.inf)
+                continue
+            expected = expected_of(ps, parameter.numel())
+            worst = max(worst, (parameter.grad.reshape(-1) - expected).abs().max().item())
+        errors = {n: expected_of.error(p) for n, p in corrected.items()}
+        optimizer.step()
+    attached(model).detach()
+    return worst
+
+
+class SignMean:
+    """(1/W)·Σ_r s_r·sign(p_r), s_r = ‖p_r‖₁/n, sign(0) = +1; absent ranks add zero."""
+
+    def __call__(self, ps, numel):
+        return sum(p.abs().sum() / numel * torch.where(p >= 0, 1.0, -1.0) for p in ps) / 2
+
+    @staticmethod
+    def error(p):
+        return p - p.abs().mean() * torch.where(p >= 0, 1.0, -1.0)
+
+
+class SignMajority(SignMean):
+    """Element by element: the vote of the ranks with a gradient, times the mean scale over both."""
+
+    def __call__(self, ps, numel):
+        mean_scale = sum(p.abs().sum().item() / numel for p in ps) / 2
+        decoded = torch.zeros(numel)
+        for i in range(numel):
+            votes = sum(1 if p[i] >= 0 else -1 for p in ps)
+            decoded[i] = (votes > 0) - (votes < 0)
+        return decoded * mean_scale
+
+
+class TopKByHand:
+    """(1/W)·Σ_r sparse_r, sparse_r = p_r on its k largest magnitudes (by a full sort)."""
+
+    def __init__(self, density):
+        self.density = density
+
+    def sparse(self, p):
+        k = max(1, math.ceil(self.density * p.numel()))
+        keep = torch.sort(p.abs(), descending=True, stable=True).indices[:k]
+        sparse = torch.zeros_like(p)
+        sparse[keep] = p[keep]
+        return sparse
+
+    def __call__(self, ps, numel):
+        return sum(self.sparse(p) for p in ps) / 2
+
+    def error(self, p):
+        return p - self.sparse(p)
+
+
+def powersgd_error_against_the_average(rank, steps=3) -> float:
+    """Largest gap between the decoded gradient and (1/W)·Σ_r (M_r + E_r − E'_r): equal when each
+    rank's error is taken against the aggregated approximation P̂·Q̄ᵀ (the torch hook's rule)."""
+    model, optimizer = wrapped({"type": "powersgd", "rank": 2})
+    codec, worst = attached(model).codec, 0.0
+    for step in range(steps):
+        optimizer.zero_grad()
+        with gradsync.no_sync(model):
+            loss_of(model, rank, step).backward()
+        own = {n: p.grad.detach().reshape(-1).clone() for n, p in model.named_parameters() if p.grad is not None}
+        before = {n: e.reshape(-1).clone() for n, e in codec.errors.items()}
+        optimizer.zero_grad()
+        loss_of(model, rank, step).backward()
+        optimizer.synchronize()
+        removed = {n: own.get(n, 0) + before.get(n, 0) - e.reshape(-1) for n, e in codec.errors.items()}
+        everyone = [None, None]
+        dist.all_gather_object(everyone, removed)
+        for name, parameter in model.named_parameters():
+            if name in codec.shapes and parameter.grad is not None:
+                average = sum(r[name] for r in everyone if name in r) / 2
+                worst = max(worst, (parameter.grad.reshape(-1) - average).abs().max().item())
+        optimizer.step()
+    attached(model).detach()
+    return worst
+
+
+def skipped_step_changes_nothing(rank, compressor, poisoned: str) -> bool:
+    """nonfinite="skip" with a NaN gradient in module `poisoned` on rank 1: on both ranks the
+    parameters stay, every error stays finite, and rank 1's error of that module stays."""
+    model, optimizer = wrapped(compressor, nonfinite="skip")
+    codec = attached(model).codec
+    loss_of(model, rank, 0).backward()
+    optimizer.step()
+    parameters = [p.detach().clone() for p in model.parameters()]
+    errors = {n: e.clone() for n, e in codec.errors.items()}
+    optimizer.zero_grad()
+    loss = loss_of(model, rank, 1)
+    if rank == 1:
+        loss = loss + getattr(model, poisoned).weight.sum() * float("nan")
+    loss.backward()
+    optimizer.step()
+    kept = all(torch.equal(p, q) for p, q in zip(model.parameters(), parameters))
+    finite = all(bool(torch.isfinite(e).all()) for e in codec.errors.values())
+    name = f"{poisoned}.weight"
+    own_kept = rank == 0 or name not in errors or torch.equal(codec.errors[name], errors[name])
+    attached(model).detach()
+    return kept and finite and own_kept
+
+
+def powersgd_on_two_ranks(rank, world_size):
+    return {
+        "error_identity": powersgd_error_against_the_average(rank),
+        # full rank (16 = min(n, m) of every matrix), factors split over several us_byte ops
+        "full_rank_us_byte": gradient_gap_to_ddp(rank, {"type": "powersgd", "rank": 16, "min_compression_rate": 0},
+                                                 "us_byte", partition_bytes=256),
+        # the torch hook's 'after backward' variant: one bucket holding the whole model
+        "full_rank_one_bucket": gradient_gap_to_ddp(rank, {"type": "powersgd", "rank": 16,
+                                                           "min_compression_rate": 0},
+                                                    "ddp", bucket_cap_bytes=2**30, first_bucket_bytes=2**30),
+        "bytes": wire_bytes_and_flags({"type": "powersgd", "rank": 4}),
+        "resume": resume_gap(rank, {"type": "powersgd", "rank": 2}),
+        # norm.weight travels uncompressed (round P only), conv.weight compressed
+        "skip": [skipped_step_changes_nothing(rank, {"type": "powersgd", "rank": 2}, module)
+                 for module in ("norm", "conv")],
+        "resume_fresh_queries": resume_gap(rank, {"type": "powersgd", "rank": 2, "warm_start": False}),
+    }
+
+
+def signsgd_on_two_ranks(rank, world_size):
+    return {
+        "mean": decoded_against_hand_computed(rank, "signsgd", SignMean()),
+        "majority": decoded_against_hand_computed(rank, {"type": "signsgd", "majority_vote": True}, SignMajority()),
+        "bytes": wire_bytes_and_flags("signsgd"),
+        "resume": resume_gap(rank, "signsgd"),
+        "skip": [skipped_step_changes_nothing(rank, "signsgd", "conv")],
+    }
+
+
+def topk_on_two_ranks(rank, world_size):
+    return {
+        "hand": decoded_against_hand_computed(rank, {"type": "topk", "density": 0.2}, TopKByHand(0.2)),
+        "density_one": gradient_gap_to_ddp(rank, {"type": "topk", "density": 1.0}, "optimal_merge"),
+        "bytes": wire_bytes_and_flags({"type": "topk", "density": 0.1}),
+        "resume": resume_gap(rank, {"type": "topk", "density": 0.1}),
+        "skip": [skipped_step_changes_nothing(rank, {"type": "topk", "density": 0.1}, "conv")],
+    }
+
+
+def every_codec_on_two_ranks(rank, world_size):
+    return {"powersgd": powersgd_on_two_ranks(rank, world_size), "signsgd": signsgd_on_two_ranks(rank, world_size),
+            "topk": topk_on_two_ranks(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One launch for every two-rank check: starting the processes costs more than the checks."""
+    return run_local(every_codec_on_two_ranks, 2)
+
+
+@pytest.fixture(scope="module")
+def powersgd_runs(two_ranks):
+    return [run["powersgd"] for run in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def signsgd_runs(two_ranks):
+    return [run["signsgd"] for run in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def topk_runs(two_ranks):
+    return [run["topk"] for run in two_ranks]
+
+
+def test_powersgd_at_full_rank_equals_uncompressed_averaging(powersgd_runs):
+    for run in powersgd_runs:
+        assert run["full_rank_us_byte"] < 1e-5 and run["full_rank_one_bucket"] < 1e-5
+
+
+def test_powersgd_error_is_taken_against_the_aggregated_approximation(powersgd_runs):
+    assert all(run["error_identity"] < 1e-5 for run in powersgd_runs)
+
+
+def test_signsgd_decodes_the_mean_of_every_ranks_scaled_signs(signsgd_runs):
+    assert all(run["mean"] < 1e-6 for run in signsgd_runs)
+
+
+def test_signsgd_majority_vote_matches_brute_force(signsgd_runs):
+    assert all(run["majority"] < 1e-6 for run in signsgd_runs)
+
+
+def test_topk_decodes_the_average_of_every_ranks_sparse_vector(topk_runs):
+    assert all(run["hand"] < 1e-6 for run in topk_runs)
+
+
+def test_topk_at_density_one_equals_uncompressed_averaging(topk_runs):
+    assert all(run["density_one"] < 1e-6 for run in topk_runs)
+
+
+def test_bytes_on_the_wire_equal_the_formula(powersgd_runs, signsgd_runs, topk_runs):
+    shapes = parameter_shapes()
+    numel = {name: math.prod(shape) for name, shape in shapes.items()}
+    # Power-SGD, rank 4, min_compression_rate 2: embed.weight (24 × 16: 40·8 < 384) and conv.weight
+    # (16 × 48: 64·8 < 768) are compressed; the 16 × 16 linears (32·8 = 256) and vectors are not
+    compressed = {"embed.weight": (24, 16), "conv.weight": (16, 48)}
+    assert all((shapes[n][0], numel[n] // shapes[n][0]) == nm for n, nm in compressed.items())
+    plain = [n for n in shapes if n not in compressed]
+    (p_bytes, p_flags), (q_bytes, q_flags) = (powersgd_runs[0]["bytes"][layout] for layout in ("P", "Q"))
+    assert p_bytes == 4 * (sum(n * 4 for n, _ in compressed.values()) + sum(numel[n] for n in plain) + p_flags)
+    assert q_bytes == 4 * (sum(m * 4 for _, m in compressed.values()) + len(plain) + q_flags)
+    # Sign-SGD: ceil(n / 8) + 4 bytes per tensor, one uint8 flag per tensor per op
+    sign_bytes, sign_flags = signsgd_runs[0]["bytes"]["plain"]
+    assert sign_bytes == sum(math.ceil(n / 8) + 4 for n in numel.values()) + sign_flags
+    # Top-k: k fp32 values and k int32 indices, k = ceil(0.1·n)
+    topk_bytes, topk_flags = topk_runs[0]["bytes"]["plain"]
+    assert topk_bytes == 4 * (sum(2 * math.ceil(0.1 * n) for n in numel.values()) + topk_flags)
+
+
+def test_checkpoint_resume_continues_identically(powersgd_runs, signsgd_runs, topk_runs):
+    for runs in (powersgd_runs, signsgd_runs, topk_runs):
+        assert [run["resume"] for run in runs] == [0.0, 0.0]
+    assert [run["resume_fresh_queries"] for run in powersgd_runs] == [0.0, 0.0]
+
+
+def test_wire_profile_carries_the_codec_sizes():
+    model = TiedNet()
+    profile = synthetic_profile(model)
+    for codec, per_tensor in ((SignSGD(), lambda n: math.ceil(n / 8) + 4), (TopK(density=0.1),
+                                                                              lambda n: 8 * math.ceil(0.1 * n))):
+        codec.setup(profile.tensor_map(), 2, seed=0)
+        wire = compress.wire_profile(profile, codec, "plain", flops_per_second=1e12)
+        assert wire.total_bytes == sum(per_tensor(t.numel) for t in profile.tensors())
+        assert wire.backward_time > profile.backward_time and wire.forward_time > profile.forward_time
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_on_every_rank(powersgd_runs, signsgd_runs, topk_runs):
+    for runs in (powersgd_runs, signsgd_runs, topk_runs):
+        assert all(all(run["skip"]) for run in runs)
