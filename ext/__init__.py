@@ -10,6 +10,7 @@ from .plan import Op, Plan, Slice
 from .profile import ModelProfile
 from .runtime import IterationStats, NonFiniteGradient, no_sync, wrap
 from .simulate import Timeline, simulate
+from . import strategies  # registers the Lightning strategy names when Lightning is installed
 
 __version__ = "0.1.0"
 

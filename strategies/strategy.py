@@ -1,0 +1,177 @@
+"""GradSyncStrategy: Lightning's DDP strategy with gradsync's runtime in place of DistributedDataParallel.
+
+Lightning keeps launching the ranks, initialising the process group, moving the model and
+splitting the data (all inherited from DDPStrategy); the model is never wrapped (`_setup_model`,
+`_register_ddp_hooks`). Once the optimizer exists (`setup_optimizers`, called by DDPStrategy.setup
+after the model is on its device), `gradsync.wrap` attaches hooks to the LightningModule and
+broadcasts rank 0's parameters and buffers, and its SyncedOptimizer replaces the strategy's
+optimizer, so Lightning's optimizer step and checkpoints go through it. `teardown` detaches it.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .. import planners
+from ..errors import ConfigError
+from ..runtime import attached, no_sync, wrap
+
+# DDPStrategy's own arguments (set by users or by Lightning's accelerator connector); every other
+# keyword goes to gradsync.wrap. DDPStrategy's **kwargs would configure DistributedDataParallel,
+# which is not used here.
+LIGHTNING_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                     "process_group_backend", "timeout", "start_method")
+
+STATS_PREFIX = "gradsync/"
+
+
+class GradSyncOverrides:
+    """The DDPStrategy methods that assumed a DistributedDataParallel wrapper, rewritten for
+    gradsync's hooks; mixed into the DDPStrategy of each installed Lightning package."""
+
+    def __init__(self, scheduler: str = "auto", compressor=None, **options):
+        """`scheduler`: a gradsync planner name; `compressor`: a name, a ``{"type": name, ...}``
+        dict or a Codec. `options`: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``);
+        the rest go to ``gradsync.wrap`` (channels, profile, cost, nonfinite, planner options, ...)."""
+        planners.get(scheduler)  # an unknown name fails here, before any rank is launched
+        super().__init__(**{name: options.pop(name) for name in LIGHTNING_OPTIONS if name in options})
+        self.scheduler = scheduler
+        self.compressor = compressor
+        self.gradsync_options = options
+        self.runtime = None  # the GradSync attached to the LightningModule while fitting
+        self.gradient_bytes = 0  # uncompressed bytes of the gradients it synchronises
+
+    # -- no DistributedDataParallel --------------------------------------------------------------
+    def _setup_model(self, model):
+        return model
+
+    def _register_ddp_hooks(self) -> None:
+        """gradsync's hooks are attached by `wrap` in `setup_optimizers`."""
+
+    def setup_optimizers(self, trainer) -> None:
+        """Create the optimizer as Lightning does, then attach gradsync and step through its
+        SyncedOptimizer. The runtime drives one model with one optimizer."""
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ConfigError(f"{type(self).__name__} needs exactly one optimizer from configure_optimizers, "
+                              f"got {len(self.optimizers)}")
+        model, synced = wrap(self.lightning_module, self.optimizers[0], self.scheduler, self.compressor,
+                             **self._wrap_options())
+        self.runtime = attached(model)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.runtime.layout.parameters.values())
+        self.optimizers = [synced]
+
+    def _wrap_options(self) -> dict:
+        """The user's gradsync options; under a GradScaler (fp16 AMP) non-finite gradients default
+        to "ignore": the scaler skips such steps on every rank and lowers its scale, as with DDP."""
+        if self._grad_scaler() is None:
+            return self.gradsync_options
+        return {"nonfinite": "ignore", **self.gradsync_options}
+
+    def _grad_scaler(self):
+        return getattr(self.precision_plugin, "scaler", None)
+
+    def training_step(self, *args, **kwargs):
+        with self.precision_plugin.train_step_context():
+            return self._through_module_call("training_step", *args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        with self.precision_plugin.val_step_context():
+            return self._through_module_call("validation_step", *args, **kwargs)
+
+    def _through_module_call(self, method: str, *args, **kwargs):
+        """While fitting, run the step inside the LightningModule's own call, as DDP's wrapper
+        does, so that gradsync's root forward hook (buffers from rank 0, layer timing) runs even
+        when the step does not call `self(...)`."""
+        module = self.lightning_module
+        if self.runtime is None:
+            return getattr(module, method)(*args, **kwargs)
+        return self._forward_redirection(module, module, method, *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Gradient accumulation (`accumulate_grad_batches`): the next synchronised backward pass
+        reduces the accumulated gradients."""
+        with no_sync(self.lightning_module):
+            yield None
+
+    def post_backward(self, closure_loss) -> None:
+        """Gradients are local until gradsync's ops finish, but inside the optimizer closure
+        Lightning clips them and a GradScaler unscales them: then wait for the synchronisation
+        first (this gives up overlapping forward-phase ops with the next forward)."""
+        super().post_backward(closure_loss)
+        if self.runtime is not None and (self.lightning_module.trainer.gradient_clip_val
+                                         or self._grad_scaler() is not None):
+            self.runtime.flush()
+
+    # -- per-iteration statistics ------------------------------------------------------------------
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        """Step, then log the iteration's statistics (none when a GradScaler skipped the step)."""
+        iterations = len(self.runtime.history)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if len(self.runtime.history) > iterations:
+            self._log_stats(self.runtime.history[-1])
+        return output
+
+    def _log_stats(self, stats) -> None:
+        """Log an iteration's measured time, non-overlapped communication (comm_wait), bytes sent
+        by this rank and compression ratio (bytes sent / uncompressed gradient bytes) to every
+        Lightning logger and the progress bar (rank 0's values, as for any metric logged without
+        sync_dist)."""
+        metrics = {"iteration_time": stats.iteration_time, "comm_wait": stats.comm_wait,
+                   "bytes_sent": float(stats.bytes_sent), "compression_ratio": stats.bytes_sent / self.gradient_bytes}
+        for name, value in metrics.items():
+            self.lightning_module.log(STATS_PREFIX + name, value, on_step=True, on_epoch=False, prog_bar=True,
+                                      logger=True)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def lightning_module_state_dict(self):
+        """Apply deferred (forward-phase) updates first, so the saved weights are the stepped ones."""
+        if self.runtime is not None:
+            self.runtime.flush()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer):
+        """The full state on every rank: Lightning dumps checkpoints on every rank (rank 0 writes),
+        and the SyncedOptimizer's state_dict gathers every rank's error feedback, a collective."""
+        return optimizer.state_dict()
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Detach gradsync (apply pending updates, remove hooks, release its channel process
+        groups) while the process group still exists."""
+        if self.runtime is not None:
+            self.runtime.detach()
+            self.runtime = None
+        super().teardown()
+
+    # -- registration ------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Register every name of SCHEDULERS and COMPRESSORS with `cls` (re-registering replaces)."""
+        for name, (scheduler, description) in SCHEDULERS.items():
+            strategy_registry.register(name, cls, description=description, override=True, scheduler=scheduler)
+        for name, description in COMPRESSORS.items():
+            strategy_registry.register(name, cls, description=description, override=True,
+                                       scheduler=COMPRESSOR_SCHEDULER, compressor=name)
+
+
+# strategy name -> (gradsync scheduler, description)
+SCHEDULERS = {
+    "wfbp": ("wfbp", "gradsync: wait-free backpropagation, one all-reduce per gradient as soon as it is ready"),
+    "ddp_buckets": ("ddp", "gradsync: PyTorch DDP's fixed-size gradient buckets, run by gradsync's runtime"),
+    "mg_wfbp": ("mg_wfbp", "gradsync: MG-WFBP, merge layers' gradients when all-reduce start-up dominates"),
+    "optimal_merge": ("optimal_merge", "gradsync: the exact optimum of MG-WFBP's merging problem"),
+    "asc_wfbp": ("asc_wfbp", "gradsync: ASC-WFBP, normal, merged or simultaneous all-reduce per layer"),
+    "bytescheduler": ("bytescheduler", "gradsync: ByteScheduler, fixed-size partitions sent input side first"),
+    "us_byte": ("us_byte", "gradsync: US-Byte, unequal-sized blocks overlapping backward and the next forward"),
+    "gradsync_auto": ("auto", "gradsync: the scheduler whose simulated iteration is fastest for this model"),
+}
+
+# compressor strategies: the compressor of that name, scheduled by COMPRESSOR_SCHEDULER
+COMPRESSOR_SCHEDULER = "optimal_merge"
+COMPRESSORS = {
+    "acp_sgd": "gradsync: ACP-SGD, alternate low-rank P/Q compression with error feedback and reuse",
+    "powersgd": "gradsync: Power-SGD low-rank compression with error feedback",
+    "signsgd": "gradsync: EF-SignSGD, one bit per element with a scale and error feedback",
+    "topk": "gradsync: top-k sparsification with error feedback",
+}

@@ -1,0 +1,377 @@
+"""gradsync's Lightning strategies on 2 CPU ranks (gloo), against Lightning's own `ddp` strategy.
+
+Most runs share one launch: `gradsync.launch.run_local` starts the ranks and each builds several
+Trainers in turn (Lightning sees externally created processes, as under torchrun). Two more tests
+use Lightning's own launchers: spawn (`start_method="spawn"`), and the default one that re-runs
+this file as a script (`python tests/test_lightning.py DIR`, the user path of
+`Trainer(strategy="acp_sgd")` with `import gradsync` as the only registration).
+"""
+import csv
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pl = pytest.importorskip("pytorch_lightning")
+
+import gradsync  # noqa: E402  registers the strategy names
+from gradsync import ConfigError  # noqa: E402
+from gradsync.launch import run_local  # noqa: E402
+from gradsync.recipes.models import build  # noqa: E402
+from gradsync.strategies import COMPRESSORS, SCHEDULERS, GradSyncStrategy  # noqa: E402
+from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
+from pytorch_lightning.loggers import CSVLogger  # noqa: E402
+from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
+from pytorch_lightning.strategies import StrategyRegistry  # noqa: E402
+
+STEPS = 6
+TOLERANCE = 1e-5
+CLIP = 0.05
+# fp16 overflows at this initial loss scale: the GradScaler skips the first steps, then halves it
+FP16_INITIAL_SCALE = 2.0**22
+STATS = ("iteration_time", "comm_wait", "bytes_sent", "compression_ratio")
+
+# the model: Linear(16→32), Linear(32→32), Linear(32→4) and their biases
+GRADIENT_NUMEL = 32 * 16 + 32 + 32 * 32 + 32 + 4 * 32 + 4
+# ACP-SGD at rank 4 compresses an n×m weight when (n + m)·4·2 < n·m: the first two weights only.
+# A P step sends their P factors (n×4), a Q step their Q factors (m×4), the rest whole.
+ACP_P_NUMEL = 32 * 4 + 32 + 32 * 4 + 32 + 4 * 32 + 4
+ACP_Q_NUMEL = 16 * 4 + 32 + 32 * 4 + 32 + 4 * 32 + 4
+# every op's buffer ends with one "used" flag per tensor it carries (runtime/executor.py): six tensors
+# in unpartitioned plans
+FLAGS = 6
+
+
+class Classifier(pl.LightningModule):
+    """training_step calls the inner network, not self(...): gradsync's root hook must still run."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = build("mlp", inputs=16, classes=4, hidden=32)
+
+    def training_step(self, batch, _index):
+        inputs, targets = batch
+        loss = F.cross_entropy(self.net(inputs), targets)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class BatchNormClassifier(Classifier):
+    """Buffers that differ per rank (batch statistics) and a validation loop: DDP broadcasts rank
+    0's buffers at every forward, so validation sees the same buffers on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 4))
+
+    def validation_step(self, batch, _index):
+        inputs, targets = batch
+        self.log("val_loss", F.cross_entropy(self.net(inputs), targets))
+
+    def val_dataloader(self):
+        return batches()
+
+
+class ManualClassifier(Classifier):
+    """Manual optimisation: the step runs inside training_step, through Lightning's optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, _index):
+        optimizer = self.optimizers()
+        inputs, targets = batch
+        optimizer.zero_grad()
+        self.manual_backward(F.cross_entropy(self.net(inputs), targets))
+        optimizer.step()
+
+
+def batches():
+    """96 fixed samples, 8 per batch, in order (Lightning's DistributedSampler gives each rank 48)."""
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 16, generator=generator),
+                                          torch.randint(0, 4, (96,), generator=generator))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def trainer_for(strategy, root, **options):
+    settings = dict(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                    log_every_n_steps=1)
+    return pl.Trainer(strategy=strategy, **{**settings, **options})
+
+
+def flat(model) -> list[float]:
+    """Parameters and buffers, in state_dict order."""
+    return torch.cat([t.detach().double().reshape(-1) for t in model.state_dict().values()]).tolist()
+
+
+def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> dict:
+    """Train a freshly seeded model; its final parameters and buffers, and the metrics. Python's
+    generator is seeded too: rank 0 draws the compressors' seed from it."""
+    pl.seed_everything(0, verbose=False)
+    model = model_class()
+    trainer = trainer_for(strategy, root, **options)
+    trainer.fit(model, batches(), ckpt_path=ckpt_path)
+    return {"params": flat(model), "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+
+
+def fp16_with_grad_scaler():
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INITIAL_SCALE))
+
+
+def initial() -> dict:
+    torch.manual_seed(0)
+    return {"params": flat(Classifier())}
+
+
+def attempt(run) -> dict:
+    """`run()`, or the error it raised (a ConfigError from wrap comes on every rank, before any
+    collective, so the ranks go on to the next run together)."""
+    try:
+        return run()
+    except Exception as exc:  # reported by the test of that run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def without_gradsync_state(path: Path) -> Path:
+    """A copy of a checkpoint whose optimizer state lacks gradsync's entry (codec state, step)."""
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["optimizer_states"][0].pop("gradsync")
+    stripped = path.with_name("stripped.ckpt")
+    torch.save(checkpoint, stripped)
+    return stripped
+
+
+def resume_runs(rank, root: Path) -> dict:
+    """acp_sgd for two 3-step epochs straight, and one epoch + a checkpoint + a resumed second."""
+    epoch = dict(limit_train_batches=3, max_steps=-1)
+    runs = {"straight": attempt(lambda: fit("acp_sgd", root, max_epochs=2, **epoch))}
+    saver = ModelCheckpoint(dirpath=root / "checkpoints", filename="resume", save_on_train_epoch_end=True)
+    runs["first_epoch"] = attempt(lambda: fit("acp_sgd", root, max_epochs=1, enable_checkpointing=True,
+                                              callbacks=[saver], **epoch))
+    saved = root / "checkpoints" / "resume.ckpt"
+    runs["resumed"] = attempt(lambda: fit("acp_sgd", root, ckpt_path=saved, max_epochs=2, **epoch))
+    if rank == 0:
+        stripped = without_gradsync_state(saved)
+        gradsync_state = torch.load(saved, weights_only=False)["optimizer_states"][0]["gradsync"]
+        runs["saved"] = {"step": gradsync_state["step"], "error_feedback_ranks": len(gradsync_state["per_rank"])}
+    torch.distributed.barrier()
+    runs["resumed_without_gradsync_state"] = attempt(
+        lambda: fit("acp_sgd", root, ckpt_path=root / "checkpoints" / "stripped.ckpt", max_epochs=2, **epoch))
+    return runs
+
+
+def all_runs(rank, world_size, root):
+    """Every scenario on this rank, in one launch (Trainer start-up is cheap, process start-up is not)."""
+    os.environ["LOCAL_RANK"] = str(rank)  # processes created outside Lightning: no re-launch
+    warnings.filterwarnings("ignore")
+    shared = Path(root)
+    root = shared / f"rank{rank}"
+    results = {"ddp": fit("ddp", root)}
+    for name in [*SCHEDULERS, *COMPRESSORS]:
+        results[name] = attempt(lambda: fit(name, root))
+    for name in ("ddp", "wfbp", "us_byte"):
+        results[f"accumulate/{name}"] = attempt(lambda: fit(name, root, accumulate_grad_batches=2))
+        results[f"clip/{name}"] = attempt(lambda: fit(name, root, gradient_clip_val=CLIP))
+        results[f"fp16/{name}"] = attempt(lambda: fit(name, root, plugins=[fp16_with_grad_scaler()]))
+        results[f"batchnorm/{name}"] = attempt(lambda: fit(name, root, model_class=BatchNormClassifier,
+                                                           val_check_interval=3, limit_val_batches=2))
+    for name in ("ddp", "us_byte"):
+        results[f"manual/{name}"] = attempt(lambda: fit(name, root, model_class=ManualClassifier))
+    results["resume"] = resume_runs(rank, shared)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_local(all_runs, 2, str(tmp_path_factory.mktemp("lightning")), timeout=240)
+
+
+def params(run) -> torch.Tensor:
+    assert "error" not in run, run["error"]
+    return torch.tensor(run["params"], dtype=torch.float64)
+
+
+def distance(a, b) -> float:
+    return (params(a) - params(b)).abs().max().item()
+
+
+# -- registration (no ranks) -------------------------------------------------------------------------
+def test_every_name_is_registered_with_its_scheduler_and_compressor():
+    for name, (scheduler, _) in SCHEDULERS.items():
+        assert StrategyRegistry[name]["init_params"] == {"scheduler": scheduler}
+    for name in COMPRESSORS:
+        assert StrategyRegistry[name]["init_params"] == {"scheduler": "optimal_merge", "compressor": name}
+    names = {"wfbp", "ddp_buckets", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte",
+             "gradsync_auto", "acp_sgd", "powersgd", "signsgd", "topk"}
+    assert names == set(SCHEDULERS) | set(COMPRESSORS)
+    assert all(StrategyRegistry[name]["strategy"] is GradSyncStrategy for name in names)
+    assert all(StrategyRegistry[name]["description"].startswith("gradsync: ") for name in names)
+
+
+def test_registering_again_replaces_without_error():
+    GradSyncStrategy.register_strategies(StrategyRegistry)
+    assert StrategyRegistry["acp_sgd"]["strategy"] is GradSyncStrategy
+
+
+def test_registered_name_builds_the_strategy():
+    trainer = pl.Trainer(strategy="acp_sgd", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, GradSyncStrategy)
+    assert (trainer.strategy.scheduler, trainer.strategy.compressor) == ("optimal_merge", "acp_sgd")
+
+
+def test_lightning_and_gradsync_options_are_split():
+    strategy = GradSyncStrategy("us_byte", start_method="spawn", partition_bytes=4096, measure_iterations=2)
+    assert strategy._start_method == "spawn"
+    assert strategy.gradsync_options == {"partition_bytes": 4096, "measure_iterations": 2}
+
+
+def test_gradsync_imports_without_lightning():
+    hide_lightning = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pytorch_lightning', 'lightning'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "import gradsync.strategies\n"
+        "print(sorted(gradsync.strategies.__all__))\n")
+    done = subprocess.run([sys.executable, "-c", hide_lightning], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["['COMPRESSORS',", "'SCHEDULERS']"]
+
+
+def test_unknown_scheduler_fails_at_construction():
+    with pytest.raises(ConfigError, match="scheduler.*wfbp"):
+        GradSyncStrategy(scheduler="fastest")
+
+
+# -- training on 2 ranks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [*SCHEDULERS, *COMPRESSORS])
+def test_every_strategy_trains_identical_replicas(ranks, name):
+    first, second = ranks[0][name], ranks[1][name]
+    assert distance(first, second) == 0
+    assert torch.isfinite(params(first)).all()
+    assert distance(first, initial()) > TOLERANCE  # it trained
+
+
+@pytest.mark.parametrize("name", list(SCHEDULERS))
+def test_uncompressed_strategies_match_ddp(ranks, name):
+    assert distance(ranks[0][name], ranks[0]["ddp"]) < TOLERANCE
+    shown = ranks[0][name]["progress_bar"]
+    assert shown["gradsync/bytes_sent"] >= (GRADIENT_NUMEL + FLAGS) * 4
+    assert shown["gradsync/compression_ratio"] == pytest.approx(shown["gradsync/bytes_sent"] / (GRADIENT_NUMEL * 4))
+
+
+def test_wfbp_sends_every_gradient_once(ranks):
+    assert ranks[0]["wfbp"]["progress_bar"]["gradsync/bytes_sent"] == (GRADIENT_NUMEL + FLAGS) * 4
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_compressors_send_less(ranks, name):
+    assert ranks[0][name]["progress_bar"]["gradsync/compression_ratio"] < 1.0
+    assert distance(ranks[0][name], ranks[0]["ddp"]) > TOLERANCE
+
+
+def test_acp_sgd_sends_its_q_factors_on_the_last_step(ranks):
+    """Steps alternate P, Q, P, ... from the first (Algorithm 2): the sixth step is a Q step."""
+    shown = ranks[0]["acp_sgd"]["progress_bar"]
+    assert shown["gradsync/bytes_sent"] == (ACP_Q_NUMEL + FLAGS) * 4
+    assert shown["gradsync/compression_ratio"] == pytest.approx((ACP_Q_NUMEL + FLAGS) / GRADIENT_NUMEL, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["wfbp", "us_byte"])
+def test_gradient_accumulation_matches_ddp(ranks, name):
+    assert distance(ranks[0][f"accumulate/{name}"], ranks[0]["accumulate/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["accumulate/ddp"], ranks[0]["ddp"]) > TOLERANCE  # accumulation changed training
+
+
+@pytest.mark.parametrize("name", ["wfbp", "us_byte"])
+def test_gradient_clipping_sees_synchronised_gradients(ranks, name):
+    assert distance(ranks[0][f"clip/{name}"], ranks[0]["clip/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["clip/ddp"], ranks[0]["ddp"]) > TOLERANCE  # clipping was active
+
+
+@pytest.mark.parametrize("name", ["wfbp", "us_byte"])
+def test_grad_scaler_unscales_synchronised_gradients(ranks, name):
+    """fp16 AMP: the scaler unscales inside the closure and skips steps with overflowed gradients."""
+    assert distance(ranks[0][f"fp16/{name}"], ranks[0]["fp16/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["fp16/ddp"], initial()) > TOLERANCE  # not every step was skipped
+    assert distance(ranks[0]["fp16/ddp"], ranks[0]["ddp"]) > TOLERANCE  # some were
+
+
+@pytest.mark.parametrize("name", ["wfbp", "us_byte"])
+def test_buffers_and_validation_match_ddp(ranks, name):
+    """Per rank: training_step calls the inner network, so only the strategy's redirection through
+    the module's call broadcasts rank 0's buffers before each forward, as DDP does."""
+    for rank in (0, 1):
+        runs = ranks[rank]
+        assert distance(runs[f"batchnorm/{name}"], runs["batchnorm/ddp"]) < TOLERANCE
+        assert runs[f"batchnorm/{name}"]["metrics"]["val_loss"] == pytest.approx(
+            runs["batchnorm/ddp"]["metrics"]["val_loss"], abs=TOLERANCE)
+
+
+def test_manual_optimization_matches_ddp(ranks):
+    assert distance(ranks[0]["manual/us_byte"], ranks[0]["manual/ddp"]) < TOLERANCE
+    assert {f"gradsync/{name}" for name in STATS} <= set(ranks[0]["manual/us_byte"]["progress_bar"])
+
+
+def test_acp_sgd_resumes_exactly_from_a_trainer_checkpoint(ranks):
+    for rank in (0, 1):
+        runs = ranks[rank]["resume"]
+        assert distance(runs["resumed"], runs["straight"]) == 0
+    assert ranks[0]["resume"]["saved"] == {"step": 3, "error_feedback_ranks": 2}
+
+
+def test_resume_without_gradsync_state_diverges(ranks):
+    """The control: the codec state in the checkpoint is what makes the resume exact."""
+    runs = ranks[0]["resume"]
+    assert distance(runs["resumed_without_gradsync_state"], runs["straight"]) > TOLERANCE
+
+
+# -- Lightning's own launchers ------------------------------------------------------------------------
+def test_spawn_launcher_trains_like_the_external_launch(ranks, tmp_path):
+    torch.manual_seed(0)
+    model = Classifier()
+    trainer = trainer_for(GradSyncStrategy("us_byte", start_method="spawn"), tmp_path)
+    trainer.fit(model, batches())  # the launcher loads rank 0's final weights into `model`
+    assert distance({"params": flat(model)}, ranks[0]["us_byte"]) < TOLERANCE
+    assert {f"gradsync/{name}" for name in STATS} <= set(trainer.callback_metrics)
+
+
+def csv_logged_run(directory: Path) -> None:
+    """Run as a script: the user path, with the registered name and Lightning's default launcher."""
+    torch.manual_seed(0)
+    trainer = trainer_for("acp_sgd", directory, max_steps=4, logger=CSVLogger(directory, name="csv", version=0))
+    trainer.fit(Classifier(), batches())
+
+
+def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("gradsync/bytes_sent")]
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
+    for row in rows:
+        numel = ACP_P_NUMEL if int(row["step"]) % 2 == 0 else ACP_Q_NUMEL
+        assert float(row["gradsync/bytes_sent"]) == (numel + FLAGS) * 4
+        assert float(row["gradsync/compression_ratio"]) == pytest.approx((numel + FLAGS) / GRADIENT_NUMEL, rel=1e-6)
+        assert 0 <= float(row["gradsync/comm_wait"]) <= float(row["gradsync/iteration_time"])
+
+
+if __name__ == "__main__":
+    csv_logged_run(Path(sys.argv[1]))
