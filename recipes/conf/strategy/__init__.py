@@ -1,0 +1,1 @@
+"""Hydra config group: package data found through pkg://gradsync.recipes.conf."""

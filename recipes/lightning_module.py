@@ -1,0 +1,130 @@
+"""Lightning pieces of the recipes: the classifier, its data, and the callbacks that report a job.
+
+The data module gives each rank its own shard (gradsync.recipes.data does the split), so the
+Trainer runs with ``use_distributed_sampler=False``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.trainer.states import TrainerFn
+
+from . import data, models
+
+
+class Classifier(pl.LightningModule):
+    """One of gradsync.recipes.models trained with SGD + momentum on cross-entropy."""
+
+    def __init__(self, architecture: str, architecture_options: dict, lr: float, momentum: float):
+        super().__init__()
+        self.save_hyperparameters()  # logged beside the job config: names unlike its sections, so none is overwritten
+        self.network = models.build(architecture, **architecture_options)
+        self.correct = self.seen = 0
+
+    def forward(self, inputs):
+        return self.network(inputs)
+
+    def training_step(self, batch, _index):
+        inputs, labels = batch
+        loss = F.cross_entropy(self(inputs), labels)
+        self.log("train/loss", loss)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self.correct = self.seen = 0
+
+    def validation_step(self, batch, _index):
+        inputs, labels = batch
+        self.correct += int((self(inputs).argmax(dim=1) == labels).sum())
+        self.seen += len(labels)
+
+    def on_validation_epoch_end(self) -> None:
+        # every rank evaluates the whole test set with the same weights: the mean is that value
+        self.log("test/accuracy", 100.0 * self.correct / self.seen, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+class ShardedData(pl.LightningDataModule):
+    """A gradsync.recipes.data set: this rank's training shard and the whole test set."""
+
+    def __init__(self, name: str, rank: int, world_size: int, batch_size: int, seed: int, options: dict):
+        super().__init__()
+        self.split = data.load(name, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed, **options)
+
+    def train_dataloader(self):
+        return self.split.train
+
+    def val_dataloader(self):
+        return self.split.test
+
+
+class EpochReport(pl.Callback):
+    """Prints the test accuracy after each evaluation on rank 0 and keeps the list, with the
+    training step it was taken at."""
+
+    def __init__(self):
+        self.accuracy: list[float] = []
+        self.validated_step = None
+
+    def on_validation_end(self, trainer, _module) -> None:
+        if trainer.sanity_checking:
+            return
+        value = float(trainer.callback_metrics["test/accuracy"])
+        self.accuracy.append(value)
+        self.validated_step = trainer.global_step
+        if trainer.is_global_zero:
+            after_fit = trainer.state.fn == TrainerFn.VALIDATING
+            where = f"end of training (step {trainer.global_step})" if after_fit else f"epoch {trainer.current_epoch + 1}"
+            print(f"{where}: test accuracy {value:.2f}%", flush=True)
+
+
+class IterationTimer(pl.Callback):
+    """Wall time of every training step (forward, backward, synchronisation, update) on this rank,
+    and the iteration breakdown of gradsync's runtime (`runtime_of(trainer)`; None for plain DDP).
+
+    The runtime's first iterations run a calibration plan while layers are timed; only the steps
+    after it count. The runtime object is kept: its history and plans outlive its teardown."""
+
+    def __init__(self, runtime_of):
+        self.runtime_of = runtime_of
+        self.runtime = None
+        self.step_times: list[float] = []
+        self.steady_step = None  # first step under the real plan
+        self.steady_iteration = None  # its index in the runtime's history
+        self.started = 0.0
+
+    def on_train_batch_start(self, _trainer, _module, _batch, _index) -> None:
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, _module, _outputs, _batch, _index) -> None:
+        self.step_times.append(time.perf_counter() - self.started)
+        self.runtime = self.runtime_of(trainer) or self.runtime
+        if self.steady_step is None and (self.runtime is None or self.runtime.measurement is None):
+            self.steady_step = len(self.step_times)
+            self.steady_iteration = len(self.runtime.history) if self.runtime is not None else None
+
+    def breakdown(self, samples_per_step: int) -> dict:
+        """Median step time and throughput; with gradsync, the means over the same steps of the
+        runtime's measured and predicted iteration time, non-overlapped communication and wire
+        bytes as a fraction of the gradient bytes (the compression ratio)."""
+        steady = self.step_times[self.steady_step or 0:] or self.step_times
+        step = statistics.median(steady)
+        result = {"steps": len(steady), "iteration_ms": 1e3 * step, "throughput": samples_per_step / step,
+                  "measured_ms": None, "predicted_ms": None, "comm_wait_ms": None, "compression_ratio": None}
+        if self.runtime is None:
+            return result
+        history = self.runtime.history[self.steady_iteration or 0:] or self.runtime.history
+        mean = statistics.fmean
+        result.update(
+            measured_ms=1e3 * mean(s.iteration_time for s in history),
+            predicted_ms=1e3 * mean(s.predicted_time for s in history),
+            comm_wait_ms=1e3 * mean(s.comm_wait for s in history),
+            compression_ratio=mean(s.bytes_sent for s in history) / self.runtime.profile.total_bytes,
+        )
+        return result

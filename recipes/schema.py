@@ -1,0 +1,183 @@
+"""The recipes' structured configs (types checked by Hydra) and the value checks types cannot express.
+
+`Config` is registered in Hydra's ConfigStore as ``gradsync_schema``; the primary config
+(recipes/conf/config.yaml) lists it first in its defaults, so every config group file and every
+command-line override is merged into typed fields. `check` then rejects values of the right type
+that gradsync or Lightning would refuse later (inside the ranks), naming the key and the choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+
+from .. import compress, planners
+from ..errors import ConfigError, unknown_name
+from . import data, models
+
+ACCELERATORS = ("cpu", "gpu")
+LOGGERS = ("wandb", "csv", "none")
+OBJECTIVES = ("final_accuracy", "throughput", "iteration_ms")  # what a job returns to a sweeper
+MODEL_INPUTS = {"cnn": "images", "mlp": "images", "transformer": "tokens"}  # what each model reads
+DATA_KINDS = {"digits": "images", "synthetic_images": "images", "synthetic_tokens": "tokens"}
+
+
+@dataclass
+class StrategyConfig:
+    """A Lightning strategy: ``ddp`` (Lightning's own) or one of gradsync's registered names; the
+    fields left None keep the registered strategy's own choice."""
+
+    name: str = MISSING
+    scheduler: Optional[str] = None  # a gradsync planner name
+    compressor: Optional[Dict[str, Any]] = None  # {"type": name, **codec options}
+    options: Dict[str, Any] = field(default_factory=dict)  # planner options (partition_bytes, channels, ...)
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # gradsync.recipes.models name
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # gradsync.recipes.data name
+    classes: int = 10
+    features: int = MISSING  # values per sample (pixels or tokens)
+    vocab: Optional[int] = None  # token data only
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 6
+    max_steps: int = -1  # -1: no limit beyond epochs
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 32  # per rank
+    seed: int = 0
+    devices: int = II("cluster.devices")  # ranks on this node
+    log_every_n_steps: int = 5
+
+
+@dataclass
+class ClusterConfig:
+    accelerator: str = "cpu"
+    backend: str = "gloo"
+    devices: int = 2
+    threads: int = 1  # torch threads per rank
+    timeout: float = 600.0  # seconds a rank may take before the job is killed
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "none"  # wandb, csv or none
+    project: str = "gradsync"
+    offline: bool = True  # W&B: write locally, upload later with `wandb sync`
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    strategy: StrategyConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    logger: LoggerConfig = MISSING
+    timeline: bool = True  # write the simulated timeline of the plan as a PNG
+    objectives: List[str] = field(default_factory=lambda: ["final_accuracy"])  # returned to the sweeper
+
+
+ConfigStore.instance().store(name="gradsync_schema", node=Config)
+
+
+def strategy_names() -> list[str]:
+    """``ddp`` and every strategy gradsync registers with Lightning (registered when gradsync
+    is imported)."""
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    from ..strategies import GradSyncStrategy
+
+    return ["ddp", *(name for name, entry in StrategyRegistry.items() if issubclass(entry["strategy"], GradSyncStrategy))]
+
+
+def _choice(key: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{key}: {unknown_name(key.rsplit('.', 1)[-1], value, valid)}")
+
+
+def _at_least(key: str, value, low) -> None:
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low}, got {value!r}")
+
+
+def check(cfg: DictConfig) -> None:
+    """Raise ConfigError (naming the key and the valid choices) for any value the job would refuse."""
+    _check_strategy(cfg.strategy)
+    _choice("model.name", cfg.model.name, models.MODELS)
+    _choice("data.name", cfg.data.name, data.DATASETS)
+    reads, gives = MODEL_INPUTS[cfg.model.name], DATA_KINDS[cfg.data.name]
+    if reads != gives:
+        fitting = sorted(name for name, kind in DATA_KINDS.items() if kind == reads)
+        raise ConfigError(f"data: model {cfg.model.name!r} reads {reads} but data {cfg.data.name!r} gives {gives}; "
+                          f"valid data for it: {', '.join(fitting)}")
+    _check_trainer(cfg.trainer)
+    _check_cluster(cfg.cluster, cfg.trainer.devices)
+    _choice("logger.kind", cfg.logger.kind, LOGGERS)
+    for objective in cfg.objectives:
+        _choice("objectives", objective, OBJECTIVES)
+
+
+def _check_strategy(strategy: DictConfig) -> None:
+    _choice("strategy.name", strategy.name, strategy_names())
+    if strategy.name == "ddp":
+        chosen = [key for key in ("scheduler", "compressor") if strategy[key] is not None]
+        if chosen or strategy.options:
+            raise ConfigError(f"strategy.{(chosen or ['options'])[0]}: Lightning's 'ddp' takes no gradsync "
+                              "scheduler, compressor or options; choose a gradsync strategy for those")
+        return
+    if strategy.scheduler is not None:
+        _choice("strategy.scheduler", strategy.scheduler, planners.names())
+    if strategy.compressor is not None:
+        codec = OmegaConf.to_container(strategy.compressor)
+        if "type" not in codec:
+            raise ConfigError(f"strategy.compressor needs a 'type' key; valid: {', '.join(compress.names())}")
+        name = codec.pop("type")
+        _choice("strategy.compressor.type", name, compress.names())
+        try:
+            compress.get(name, **codec)
+        except ConfigError as exc:
+            raise ConfigError(f"strategy.compressor: {exc}") from exc
+
+
+def _check_trainer(trainer: DictConfig) -> None:
+    if trainer.max_steps != -1:
+        _at_least("trainer.max_steps", trainer.max_steps, 1)
+    _at_least("trainer.epochs", trainer.epochs, 1)
+    _at_least("trainer.batch_size", trainer.batch_size, 1)
+    _at_least("trainer.devices", trainer.devices, 1)
+    _at_least("trainer.log_every_n_steps", trainer.log_every_n_steps, 1)
+    if not trainer.lr > 0:
+        raise ConfigError(f"trainer.lr must be > 0, got {trainer.lr!r}")
+    if not 0 <= trainer.momentum < 1:
+        raise ConfigError(f"trainer.momentum must be in [0, 1), got {trainer.momentum!r}")
+
+
+def _check_cluster(cluster: DictConfig, ranks: int) -> None:
+    _choice("cluster.accelerator", cluster.accelerator, ACCELERATORS)
+    backends = ("gloo", "nccl") if cluster.accelerator == "gpu" else ("gloo",)
+    _choice("cluster.backend", cluster.backend, backends)
+    _at_least("cluster.threads", cluster.threads, 1)
+    if not cluster.timeout > 0:
+        raise ConfigError(f"cluster.timeout must be > 0 seconds, got {cluster.timeout!r}")
+    if cluster.accelerator == "gpu":
+        import torch
+
+        available = torch.cuda.device_count()
+        if available < ranks:
+            raise ConfigError(f"trainer.devices: {ranks} GPU rank(s) asked for, {available} visible; "
+                              f"valid: 1..{available}" if available else
+                              "cluster.accelerator: 'gpu' but no CUDA device is visible; valid here: cpu")

@@ -1,0 +1,222 @@
+"""The Hydra recipes and `gradsync-train`: config groups compose, bad values are named, a real
+2-rank job reports its breakdown, and a 2-job sweep writes its summary."""
+import csv
+import json
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from gradsync import ConfigError
+from gradsync.recipes import app, models, schema
+from gradsync.recipes.summary import collect, markdown
+
+GROUPS = ("strategy", "model", "data", "trainer", "cluster", "logger", "hparams_search")
+
+# the planner behind each registered gradsync strategy name (compressors are scheduled by optimal_merge)
+PLANNERS = {"wfbp": "wfbp", "ddp_buckets": "ddp", "mg_wfbp": "mg_wfbp", "optimal_merge": "optimal_merge",
+            "asc_wfbp": "asc_wfbp", "bytescheduler": "bytescheduler", "us_byte": "us_byte", "gradsync_auto": "auto",
+            "acp_sgd": "optimal_merge", "powersgd": "optimal_merge", "signsgd": "optimal_merge",
+            "topk": "optimal_merge"}
+
+
+def options(group):
+    return sorted(p.name[:-5] for p in files("gradsync.recipes.conf").joinpath(group).iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def composed(*overrides):
+    with initialize_config_module("gradsync.recipes.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_every_strategy_is_a_config_option_and_nothing_else():
+    assert options("strategy") == sorted(["ddp", *PLANNERS])
+    assert sorted(schema.strategy_names()) == sorted(["ddp", *PLANNERS])
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_of_a_group_composes_and_passes_the_checks(group):
+    fitting = {"transformer": ["data=synthetic_tokens"], "synthetic_tokens": ["model=transformer"]}
+    for option in options(group):
+        cfg = composed(f"{group}={option}", *fitting.get(option, []))
+        if group in ("strategy", "model", "data"):
+            assert cfg[group].name == option
+        if group == "logger":
+            assert cfg.logger.kind == option
+        if group == "cluster" and option == "gpu":
+            assert (cfg.cluster.backend, cfg.cluster.accelerator) == ("nccl", "gpu")
+            continue  # checked below: needs CUDA devices
+        schema.check(cfg)
+
+
+def test_the_optuna_recipe_tunes_partition_size_channels_and_rank():
+    with initialize_config_module("gradsync.recipes.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["hparams_search=optuna", "strategy.options.credit=3"],
+                      return_hydra_config=True)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+    assert set(cfg.hydra.sweeper.params) == {"strategy.options.partition_bytes", "strategy.options.credit",
+                                             "strategy.compressor.rank"}
+    assert list(cfg.hydra.sweeper.direction) == ["maximize", "maximize"] and len(cfg.objectives) == 2
+    assert cfg.strategy.options.channels == 3  # one process group per credit slot
+    result = {"accuracy": [50.0, 90.0], "breakdown": {"throughput": 6400.0, "iteration_ms": 10.0}}
+    assert app.objective_values(result, cfg.objectives) == [6400.0, 90.0]
+    assert app.objective_values(result, ["iteration_ms"]) == 10.0
+
+
+def test_every_model_and_data_set_has_a_kind():
+    from gradsync.recipes import data
+
+    assert set(schema.MODEL_INPUTS) == set(models.MODELS) and set(schema.DATA_KINDS) == set(data.DATASETS)
+    assert options("model") == sorted(models.MODELS) and options("data") == sorted(data.DATASETS)
+
+
+def test_the_model_options_follow_the_data():
+    cfg = composed("model=mlp", "data=synthetic_images")
+    assert cfg.model.options.inputs == 16 * 16 and cfg.model.options.classes == 10
+    network = models.build(cfg.model.name, **cfg.model.options)
+    assert network[1].in_features == 256
+    assert composed("model=transformer", "data=synthetic_tokens").model.options.vocab == 256
+    assert composed().trainer.devices == 2 == composed("trainer.devices=2").cluster.devices
+
+
+def test_each_strategy_option_builds_its_lightning_strategy():
+    from pytorch_lightning.strategies import DDPStrategy
+    from omegaconf import OmegaConf
+
+    from gradsync.strategies import GradSyncStrategy
+
+    for option in options("strategy"):
+        job = OmegaConf.to_container(composed(f"strategy={option}"), resolve=True)
+        strategy = app.build_strategy(job)
+        assert isinstance(strategy, DDPStrategy) and strategy.process_group_backend == "gloo"
+        if option == "ddp":
+            assert not isinstance(strategy, GradSyncStrategy)
+            continue
+        assert strategy.scheduler == PLANNERS[option]
+    chosen = composed("strategy.compressor.rank=2", "strategy.scheduler=wfbp")
+    acp = app.build_strategy(OmegaConf.to_container(chosen, resolve=True))
+    assert acp.compressor == {"type": "acp_sgd", "rank": 2} and acp.scheduler == "wfbp"
+
+
+def test_cluster_gpu_needs_cuda_devices():
+    import torch
+
+    cfg = composed("cluster=gpu", "trainer.devices=64")
+    with pytest.raises(ConfigError, match="trainer.devices|cluster.accelerator") as error:
+        schema.check(cfg)
+    assert ("valid: 1.." in str(error.value)) == (torch.cuda.device_count() > 0)
+
+
+@pytest.mark.parametrize("override, key, choices", [
+    ("strategy.compressor.rank=-1", "strategy.compressor", ["'rank'", ">= 1"]),
+    ("strategy.name=bogus", "strategy.name", ["ddp", "us_byte", "acp_sgd"]),
+    ("strategy.scheduler=bogus", "strategy.scheduler", ["mg_wfbp", "auto"]),
+    ("strategy.compressor.type=bogus", "strategy.compressor.type", ["powersgd", "topk"]),
+    ("model=transformer", "data", ["synthetic_tokens"]),
+    ("logger.kind=bogus", "logger.kind", ["wandb", "csv", "none"]),
+    ("cluster.backend=nccl", "cluster.backend", ["gloo"]),
+    ("trainer.lr=0", "trainer.lr", ["> 0"]),
+])
+def test_a_bad_value_names_the_key_and_the_valid_choices(override, key, choices):
+    with pytest.raises(ConfigError) as error:
+        schema.check(composed(override))
+    message = str(error.value)
+    assert message.startswith(key)
+    assert all(choice in message for choice in choices), message
+
+
+def test_a_wrong_type_or_unknown_option_fails_while_composing():
+    with pytest.raises(ConfigCompositionException) as error:
+        composed("trainer.epochs=abc")
+    assert "trainer.epochs" in str(error.value.__cause__) and "Integer" in str(error.value.__cause__)
+    with pytest.raises(MissingConfigException) as error:
+        composed("strategy=bogus")
+    assert all(name in str(error.value) for name in ("us_byte", "acp_sgd", "ddp", "gradsync_auto"))
+
+
+def run_app(monkeypatch, *argv):
+    """`gradsync-train *argv` in this process (Hydra's logging off)."""
+    monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, "hydra/job_logging=disabled",
+                                      "hydra/hydra_logging=disabled"])
+    app.main()
+
+
+def test_the_app_reports_a_bad_value_without_a_traceback(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_app(monkeypatch, "strategy.compressor.rank=-1", f"hydra.run.dir={tmp_path}")
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "gradsync-train: error: strategy.compressor: " in error and "'rank'" in error
+    assert "Traceback" not in error
+
+
+def acp_sgd_wire_fraction(network, rank=4, min_compression_rate=2.0):
+    """ACP-SGD's mean wire size over a P step and a Q step, as a fraction of the gradient
+    (acp-sgd §IV: an n×m matrix sends n·r then m·r values when (n + m)·r·rate < n·m; the rest
+    travels whole), plus the runtime's one "used" flag per tensor and step."""
+    whole = p_step = q_step = 0
+    for parameter in network.parameters():
+        n = parameter.shape[0]
+        m = parameter.numel() // n
+        whole += parameter.numel()
+        if parameter.dim() > 1 and (n + m) * rank * min_compression_rate < n * m:
+            p_step, q_step = p_step + n * rank + 1, q_step + m * rank + 1
+        else:
+            p_step, q_step = p_step + parameter.numel() + 1, q_step + parameter.numel() + 1
+    return (p_step + q_step) / 2 / whole
+
+
+def test_one_real_two_rank_job(tmp_path):
+    cfg = composed("strategy=wfbp", "model=cnn", "data=digits", "trainer=quick", "logger=csv")
+    result = app.train(cfg, tmp_path)
+    assert result["ranks"] == 2 and result["strategy"] == "wfbp" and len(result["accuracy"]) == 1
+    assert 0.0 <= result["accuracy"][0] <= 100.0
+    breakdown = result["breakdown"]
+    assert breakdown["steps"] == 8 - (1 + 3)  # max_steps minus the calibration (1 warm-up + 3 timed)
+    tensors = list(models.build("cnn").parameters())
+    gradient = sum(t.numel() for t in tensors)
+    # no compressor: every gradient element travels once, plus one "used" flag per tensor (one op each)
+    assert breakdown["compression_ratio"] == pytest.approx((gradient + len(tensors)) / gradient, rel=1e-12)
+    assert breakdown["throughput"] == pytest.approx(2 * 32 / (breakdown["iteration_ms"] / 1e3))
+    assert breakdown["predicted_ms"] > 0 and breakdown["comm_wait_ms"] >= 0
+    assert result["plans"]["plain"] == {**result["plans"]["plain"], "planner": "wfbp", "ops": len(tensors)}
+    assert Path(result["timeline"]).read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "result.json").is_file()
+    metrics = next(tmp_path.glob("csv/version_*/metrics.csv")).read_text().splitlines()[0].split(",")
+    assert {"train/loss", "test/accuracy", "gradsync/iteration_time", "gradsync/comm_wait"} <= set(metrics)
+
+
+def test_a_two_job_sweep_writes_its_summary(tmp_path, monkeypatch):
+    sweep = tmp_path / "sweep"
+    run_app(monkeypatch, "-m", "strategy=ddp,acp_sgd", "trainer=quick", "logger=none", "timeline=false",
+            f"hydra.sweep.dir={sweep}")
+    with (sweep / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(row["job"], row["label"], row["strategy"]) for row in rows] == [
+        ("0", "strategy=ddp", "ddp"), ("1", "strategy=acp_sgd", "acp_sgd")]
+    ddp, acp = rows
+    assert ddp["compression_ratio"] == "" and ddp["comm_wait_ms"] == ""
+    expected = acp_sgd_wire_fraction(models.build("cnn"))
+    assert float(acp["compression_ratio"]) == pytest.approx(expected, rel=1e-9)
+    assert all(float(row["iteration_ms"]) > 0 and 0 <= float(row["final_accuracy"]) <= 100 for row in rows)
+    table = (sweep / "summary.md").read_text().strip().splitlines()
+    assert len(table) == 2 + 2 and "| 0 | strategy=ddp |" in table[2] and "n/a" in table[2]
+    assert (sweep / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_summary_labels_jobs_by_what_differs(tmp_path):
+    breakdown = {"steps": 4, "iteration_ms": 10.0, "throughput": 6400.0, "measured_ms": None, "predicted_ms": None,
+                 "comm_wait_ms": None, "compression_ratio": None}
+    for job, strategy in ((10, "ddp"), (2, "wfbp")):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "result.json").write_text(json.dumps({
+            "strategy": strategy, "model": "cnn", "data": "digits", "ranks": 2, "accuracy": [50.0, 75.5],
+            "breakdown": breakdown, "overrides": [f"strategy={strategy}", "trainer=quick"]}))
+    rows = collect(tmp_path)
+    assert [(row["job"], row["label"], row["final_accuracy"]) for row in rows] == [
+        ("2", "strategy=wfbp", 75.5), ("10", "strategy=ddp", 75.5)]
+    assert markdown(rows).splitlines()[2] == "| 2 | strategy=wfbp | 10.00 | 6400 | 75.50 | n/a | n/a | n/a |"
