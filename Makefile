@@ -17,9 +17,9 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# The main job: 2 local CPU ranks train a small CNN on scikit-learn's digits with ACP-SGD.
 demo: install
-	$(VENV)/bin/gradsync simulate --model resnet50 --workers 8 --cluster asc-wfbp-10gbe --schedulers all
-	$(VENV)/bin/gradsync plan --model resnet50 --workers 8 --cluster asc-wfbp-10gbe --scheduler mg_wfbp --timeline demo-timeline.png
+	$(VENV)/bin/gradsync-train hydra.run.dir=outputs/demo
 
 test: install
 	$(PY) -m pytest -q
@@ -28,6 +28,8 @@ bench: install
 	$(PY) benchmarks/planner_speed.py
 	$(PY) benchmarks/reproduce_planners.py > /dev/null && echo "wrote benchmarks/results/reproduce_planners.md"
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/compression_speed.py
+	$(PY) benchmarks/convergence_digits.py > /dev/null && echo "wrote benchmarks/results/convergence_digits.md"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
