@@ -14,6 +14,7 @@ sizes as they travel, codec compute folded into the layers' times.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .cost import CostModel
@@ -71,6 +72,45 @@ def contention_slowdown(gamma: float, transmitting: int) -> float:
     return 1.0 + (gamma - 1.0) * max(0, transmitting - 1)
 
 
+class InFlight:
+    """All-reduces in flight under the model above: each lasts `a` of start-up, then transmits
+    b·bytes of solo time at 1/s(k) of its solo rate while k ops transmit."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self.starting: dict[int, float] = {}  # op -> remaining start-up time
+        self.transmitting: dict[int, float] = {}  # op -> remaining solo transmission time
+        self.work: dict[int, float] = {}
+
+    def start(self, op: int, nbytes: int) -> None:
+        self.starting[op] = self.cost.a
+        self.work[op] = self.cost.b * nbytes
+
+    def next_event(self, clock: float) -> float:
+        """When the next op ends its start-up or its transmission (inf with none in flight)."""
+        slowdown = contention_slowdown(self.cost.gamma, len(self.transmitting))
+        events = [clock + rest for rest in self.starting.values()]
+        events += [clock + rest * slowdown for rest in self.transmitting.values()]
+        return min(events, default=math.inf)
+
+    def advance(self, clock: float, step: float) -> list[int]:
+        """Let `step` seconds pass from `clock`; the ops that finished, in no particular order."""
+        slowdown = contention_slowdown(self.cost.gamma, len(self.transmitting))
+        tolerance = 1e-12 * max(1.0, clock + step)
+        finished = []
+        for op in list(self.transmitting):
+            self.transmitting[op] -= step / slowdown
+            if self.transmitting[op] <= tolerance:
+                del self.transmitting[op]
+                finished.append(op)
+        for op in list(self.starting):
+            self.starting[op] -= step
+            if self.starting[op] <= tolerance:
+                del self.starting[op]
+                self.transmitting[op] = self.work.pop(op)
+        return finished
+
+
 def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     """Simulate one iteration of `plan` (see the module docstring for the model)."""
     layer_of = profile.layer_of_tensor()
@@ -80,22 +120,17 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
 
     count = len(plan.ops)
     ready = [0.0] * count
-    fixed = [0.0] * count
-    work = [0.0] * count
     nbytes = [0] * count
     for index, op in enumerate(plan.ops):
         ready[index] = max(ready_times[layer_of[s.tensor]] for s in op.slices)
         if op.phase == FORWARD:
             ready[index] = max(ready[index], backward_end)
         nbytes[index] = sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
-        fixed[index] = cost.a
-        work[index] = cost.b * nbytes[index]
 
     queues = {channel: list(reversed(indices)) for channel, indices in ops_by_channel(plan.ops).items()}
     start = [0.0] * count
     end = [0.0] * count
-    in_fixed: dict[int, float] = {}  # op -> remaining start-up time
-    in_transmit: dict[int, float] = {}  # op -> remaining solo transmission time
+    in_flight = InFlight(cost)
     busy: set[int] = set()
     clock = 0.0
     done = 0
@@ -105,25 +140,13 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
                 index = queue.pop()
                 busy.add(channel)
                 start[index] = clock
-                in_fixed[index] = fixed[index]
-        slowdown = contention_slowdown(cost.gamma, len(in_transmit))
-        horizon = [clock + rest for rest in in_fixed.values()]
-        horizon += [clock + rest * slowdown for rest in in_transmit.values()]
-        horizon += [ready[q[-1]] for c, q in queues.items() if q and c not in busy]
-        step = min(horizon) - clock
-        tolerance = 1e-12 * max(1.0, clock + step)
-        for index in list(in_transmit):
-            in_transmit[index] -= step / slowdown
-            if in_transmit[index] <= tolerance:
-                del in_transmit[index]
-                busy.discard(plan.ops[index].channel)
-                end[index] = clock + step
-                done += 1
-        for index in list(in_fixed):
-            in_fixed[index] -= step
-            if in_fixed[index] <= tolerance:
-                del in_fixed[index]
-                in_transmit[index] = work[index]
+                in_flight.start(index, nbytes[index])
+        upcoming = [ready[q[-1]] for c, q in queues.items() if q and c not in busy]
+        step = min([in_flight.next_event(clock), *upcoming]) - clock
+        for index in in_flight.advance(clock, step):
+            busy.discard(plan.ops[index].channel)
+            end[index] = clock + step
+            done += 1
         clock += step
 
     forward_gate = [0.0] * len(profile.layers)

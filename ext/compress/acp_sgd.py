@@ -19,7 +19,8 @@ from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
 from .gradients import all_finite
-from .low_rank import check_options, select_matrices, subtract_low_rank
+from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, select_matrices,
+                       subtract_low_rank)
 from .orthogonalize import orthogonalize
 
 PLAIN, P_STEP, Q_STEP = "plain", "P", "Q"
@@ -115,15 +116,7 @@ class ACPSGD(Codec):
         return factor.reshape(-1)
 
     def _error(self, name: str, matrix: torch.Tensor) -> torch.Tensor | None:
-        if not self.error_feedback:
-            return None
-        error = self.errors.get(name)
-        if error is None:
-            error = torch.zeros_like(matrix)
-        elif error.device != matrix.device or error.dtype != matrix.dtype:
-            error = error.to(device=matrix.device, dtype=matrix.dtype)  # as loaded from a checkpoint
-        self.errors[name] = error
-        return error
+        return error_buffer(self.errors, name, matrix) if self.error_feedback else None
 
     def _query(self, name: str, layout: str, step: int, like: torch.Tensor) -> torch.Tensor:
         """Orth(Q_prev) on P steps, Orth(P_prev) on Q steps; fresh Gaussian ones without reuse."""
@@ -163,21 +156,12 @@ class ACPSGD(Codec):
     def state_dict(self) -> tuple[dict, dict]:
         """Shared: the options that shaped the state, the seed and the factors (equal on every
         rank); per rank: the error-feedback matrices."""
-        shared = {
-            "options": self._options(),
-            "seed": self.seed,
-            "p": {k: v.detach().cpu().clone() for k, v in self.p_prev.items()},
-            "q": {k: v.detach().cpu().clone() for k, v in self.q_prev.items()},
-        }
-        return shared, {"errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()}}
+        shared = {"options": self._options(), "seed": self.seed, "p": cpu_copies(self.p_prev),
+                  "q": cpu_copies(self.q_prev)}
+        return shared, {"errors": cpu_copies(self.errors)}
 
     def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
-        if shared["options"] != self._options():
-            raise ConfigError(f"acp_sgd state was saved with options {shared['options']}, "
-                              f"this run uses {self._options()}")
-        unknown = sorted(set(shared["p"]) - set(self.shapes))
-        if unknown:
-            raise ConfigError(f"acp_sgd state holds factors of tensors this model does not compress: {unknown[:5]}")
+        check_saved_state(self.name, shared["options"], self._options(), shared["p"], self.shapes)
         self.seed = shared["seed"]
         self.p_prev = {k: v.clone() for k, v in shared["p"].items()}
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}

@@ -52,6 +52,32 @@ def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,
     return shapes
 
 
+def error_buffer(errors: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    """The error-feedback matrix of `name`: zeros at first, moved to `like`'s device and dtype once
+    after a checkpoint load."""
+    error = errors.get(name)
+    if error is None:
+        error = torch.zeros_like(like)
+    elif error.device != like.device or error.dtype != like.dtype:
+        error = error.to(device=like.device, dtype=like.dtype)
+    errors[name] = error
+    return error
+
+
+def cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies, for checkpoints."""
+    return {name: tensor.detach().cpu().clone() for name, tensor in tensors.items()}
+
+
+def check_saved_state(codec: str, saved_options: dict, options: dict, saved_names, compressed) -> None:
+    """A checkpoint's state fits this codec: same options, factors only of compressed tensors."""
+    if saved_options != options:
+        raise ConfigError(f"{codec} state was saved with options {saved_options}, this run uses {options}")
+    unknown = sorted(set(saved_names) - set(compressed))
+    if unknown:
+        raise ConfigError(f"{codec} state holds factors of tensors this model does not compress: {unknown[:5]}")
+
+
 def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
     """E ← M + E − P·Qᵀ in place: the fused kernel for fp16/fp32 and r ≤ 32, torch otherwise."""
     if error.dtype in FLOAT_DTYPES and p.shape[1] <= MAX_RANK:

@@ -26,12 +26,12 @@ from typing import Mapping
 
 import torch
 
-from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
 from .gradients import all_finite, refuse_non_float
 from .orthogonalize import orthogonalize
-from .low_rank import check_options, select_matrices, subtract_low_rank
+from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, select_matrices,
+                       subtract_low_rank)
 
 PLAIN, P_ROUND, Q_ROUND = "plain", "P", "Q"
 
@@ -138,15 +138,7 @@ class PowerSGD(Codec):
         return grad.reshape(n, m)
 
     def _error(self, name: str, matrix: torch.Tensor) -> torch.Tensor | None:
-        if not self.error_feedback:
-            return None
-        error = self.errors.get(name)
-        if error is None:
-            error = torch.zeros_like(matrix)
-        elif error.device != matrix.device or error.dtype != matrix.dtype:
-            error = error.to(device=matrix.device, dtype=matrix.dtype)  # as loaded from a checkpoint
-        self.errors[name] = error
-        return error
+        return error_buffer(self.errors, name, matrix) if self.error_feedback else None
 
     def _query(self, name: str, step: int) -> torch.Tensor:
         """Q_prev: last step's Q̄ with warm start, else a Gaussian drawn from the shared seed."""
@@ -192,20 +184,11 @@ class PowerSGD(Codec):
     def state_dict(self) -> tuple[dict, dict]:
         """Shared: the options, the seed and the warm-start factors Q̄ (equal on every rank); per
         rank: the error-feedback matrices."""
-        shared = {
-            "options": self._options(),
-            "seed": self.seed,
-            "q": {k: v.detach().cpu().clone() for k, v in self.q_prev.items()},
-        }
-        return shared, {"errors": {k: v.detach().cpu().clone() for k, v in self.errors.items()}}
+        shared = {"options": self._options(), "seed": self.seed, "q": cpu_copies(self.q_prev)}
+        return shared, {"errors": cpu_copies(self.errors)}
 
     def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
-        if shared["options"] != self._options():
-            raise ConfigError(f"powersgd state was saved with options {shared['options']}, "
-                              f"this run uses {self._options()}")
-        unknown = sorted(set(shared["q"]) - set(self.shapes))
-        if unknown:
-            raise ConfigError(f"powersgd state holds factors of tensors this model does not compress: {unknown[:5]}")
+        check_saved_state(self.name, shared["options"], self._options(), shared["q"], self.shapes)
         self.seed = shared["seed"]
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
         self.errors = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}

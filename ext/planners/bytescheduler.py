@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..cost import CostModel
 from ..plan import BACKWARD, FORWARD, Op, Plan
 from ..profile import ModelProfile
-from ..simulate import contention_slowdown
+from ..simulate import InFlight
 from .options import positive_int, reject_unknown
 from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
 
@@ -91,8 +91,7 @@ def emulate(profile: ModelProfile, cost: CostModel, partition_bytes: int, credit
     ready: list[tuple[int, Block]] = []  # heap of (rank, block)
     slots: list[int | None] = [None] * credit  # launch index per busy slot
     launches: list[Launch] = []
-    in_fixed: dict[int, float] = {}  # launch -> remaining start-up time
-    in_transmit: dict[int, float] = {}  # launch -> remaining solo transmission time
+    in_flight = InFlight(cost)
     clock = 0.0
     while waiting or ready:
         while waiting and waiting[-1].group.ready <= clock:
@@ -101,24 +100,12 @@ def emulate(profile: ModelProfile, cost: CostModel, partition_bytes: int, credit
         for slot, busy in enumerate(slots):
             if busy is None and ready:
                 slots[slot] = len(launches)
-                in_fixed[len(launches)] = cost.a
-                launches.append(Launch(heapq.heappop(ready)[1], slot, clock))
-        slowdown = contention_slowdown(cost.gamma, len(in_transmit))
-        horizon = [clock + rest for rest in in_fixed.values()]
-        horizon += [clock + rest * slowdown for rest in in_transmit.values()]
-        if waiting and None in slots:
-            horizon.append(waiting[-1].group.ready)
-        step = min(horizon) - clock
-        tolerance = 1e-12 * max(1.0, clock + step)
-        for index in list(in_transmit):
-            in_transmit[index] -= step / slowdown
-            if in_transmit[index] <= tolerance:
-                del in_transmit[index]
-                slots[launches[index].slot] = None
-        for index in list(in_fixed):
-            in_fixed[index] -= step
-            if in_fixed[index] <= tolerance:
-                del in_fixed[index]
-                in_transmit[index] = cost.b * launches[index].block.nbytes
+                block = heapq.heappop(ready)[1]
+                in_flight.start(len(launches), block.nbytes)
+                launches.append(Launch(block, slot, clock))
+        upcoming = [waiting[-1].group.ready] if waiting and None in slots else []
+        step = min([in_flight.next_event(clock), *upcoming]) - clock
+        for index in in_flight.advance(clock, step):
+            slots[launches[index].slot] = None
         clock += step
     return launches
