@@ -111,7 +111,8 @@ class ACPSGD(Codec):
             transposed = query.T @ matrix if error is None else torch.addmm(query.T @ error, query.T, matrix)
             factor = transposed.T.contiguous()
             left, right = query, factor
-        if error is not None and all_finite(matrix):
+        # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
+        if error is not None and all_finite(factor):
             subtract_low_rank(matrix, error, left, right)  # E ← M + E − P·Qᵀ, local factors
         return factor.reshape(-1)
 

@@ -79,8 +79,9 @@ def check_saved_state(codec: str, saved_options: dict, options: dict, saved_name
 
 
 def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-    """E ← M + E − P·Qᵀ in place: the fused kernel for fp16/fp32 and r ≤ 32, torch otherwise."""
-    if error.dtype in FLOAT_DTYPES and p.shape[1] <= MAX_RANK:
+    """E ← M + E − P·Qᵀ in place: the fused Triton kernel on CUDA (fp16/fp32, r ≤ 32), which never
+    materialises P·Qᵀ; elsewhere two in-place torch operations (BLAS accumulates P·Qᵀ into E)."""
+    if error.is_cuda and error.dtype in FLOAT_DTYPES and p.shape[1] <= MAX_RANK:
         error_feedback_update(matrix, error, p, q)
     else:
         error.add_(matrix).addmm_(p, q.T, alpha=-1)
