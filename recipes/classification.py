@@ -1,6 +1,8 @@
 """A plain training loop with gradsync on local ranks: the convergence checks and examples use it."""
 from __future__ import annotations
 
+import random
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,7 @@ def fit(rank: int, world_size: int, model: str = "cnn", dataset: str = "digits",
     gradsync.launch.run_local)."""
     split = data.load(dataset, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
     torch.manual_seed(seed)
+    random.seed(seed)  # rank 0 draws the compressor's seed from `random`: reproducible runs
     network = models.build(model)
     network, optimizer = wrap(network, torch.optim.SGD(network.parameters(), lr=lr, momentum=momentum),
                               scheduler=scheduler, compressor=compressor, **wrap_options)
