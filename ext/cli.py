@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .profile import ModelProfile, zoo, zoo_names
 from .profile.devices import resolve_device
 from .simulate import simulate
+from .topology.cli import add_topo_commands, run_topo
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -62,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("simulate", help="compare schedulers in the simulator")
     workload(compare)
     compare.add_argument("--schedulers", default="all", help="comma-separated names, or 'all'")
+    add_topo_commands(commands)
     return parser
 
 
@@ -206,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     warnings.showwarning = _warn
     try:
-        {"zoo": _run_zoo, "plan": _run_plan, "simulate": _run_simulate}[args.command](args)
+        {"zoo": _run_zoo, "plan": _run_plan, "simulate": _run_simulate, "topo": run_topo}[args.command](args)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

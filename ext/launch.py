@@ -6,7 +6,9 @@ calls can follow one another in one program (e.g. the jobs of a sweep).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 
 import torch.distributed as dist
@@ -23,14 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, backend, threads, fn, args, queue):
+def _entry(rank, world_size, port, rendezvous, backend, threads, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         import torch
 
         torch.set_num_threads(threads)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # a rendezvous file of this call alone: concurrent calls can never meet on one port
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # reported to the parent with its traceback
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -49,8 +52,11 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     """
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=_entry, args=(r, world_size, port, backend, threads, fn, args, queue))
+    port = free_port()  # for code that reads MASTER_PORT; the process group meets through a file
+    workdir = tempfile.mkdtemp(prefix="gradsync-ranks-")
+    rendezvous = os.path.join(workdir, "rendezvous")
+    processes = [context.Process(target=_entry, args=(r, world_size, port, rendezvous, backend, threads, fn, args,
+                                                      queue))
                  for r in range(world_size)]
     for process in processes:
         process.start()
@@ -64,6 +70,7 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
     if return_errors:
         return [results[r] for r in range(world_size)]
     failures = [f"rank {r}: {v}" for r, (s, v) in sorted(results.items()) if s != "ok"]

@@ -1,0 +1,251 @@
+import argparse
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from gradsync.errors import ConfigError
+from gradsync.topology import (BROADCAST, OVERLAP, REDUCE, ForestPacking, Link, Topology, active_from_spec,
+                               baseline_time, cluster, complete, dgx1, largest_remainder, load, nccl_double_tree,
+                               plan_forest, preset, ring)
+from gradsync.topology.arborescence import min_in_arborescence, min_out_arborescence
+from gradsync.topology.cli import add_topo_commands, run_topo
+
+
+def brute_force_min_arborescence(cost, root):
+    n = len(cost)
+    others = [v for v in range(n) if v != root]
+    best = np.inf
+    for parents in itertools.product(range(n), repeat=len(others)):
+        parent = dict(zip(others, parents))
+        if any(parent[v] == v or np.isinf(cost[parent[v], v]) for v in others):
+            continue
+        if all(_reaches(parent, v, root) for v in others):
+            best = min(best, sum(cost[parent[v], v] for v in others))
+    return best
+
+
+def _reaches(parent, node, root):
+    seen = set()
+    while node != root:
+        if node in seen:
+            return False
+        seen.add(node)
+        node = parent[node]
+    return True
+
+
+def test_edmonds_matches_brute_force_on_small_graphs():
+    rng = np.random.default_rng(7)
+    for _ in range(150):
+        n = int(rng.integers(2, 6))
+        cost = rng.integers(0, 6, (n, n)).astype(float)
+        cost[rng.random((n, n)) < 0.3] = np.inf
+        root = int(rng.integers(n))
+        expected = brute_force_min_arborescence(cost, root)
+        parent = min_out_arborescence(cost, root)
+        if np.isinf(expected):
+            assert parent is None
+            continue
+        assert parent[root] == -1
+        assert all(_reaches({v: parent[v] for v in range(n) if v != root}, v, root) for v in range(n))
+        assert sum(cost[parent[v], v] for v in range(n) if v != root) == pytest.approx(expected)
+        reverse = min_in_arborescence(cost.T, root)  # in-arborescence of the reversed graph: same cost
+        assert sum(cost.T[v, reverse[v]] for v in range(n) if v != root) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("topology, throughput", [
+    (complete(4), 2.0), (complete(5), 2.5), (ring(6, bidirectional=False), 0.6), (ring(6), 1.2),
+    (dgx1(link_gbps=1.0), 24 / 7),
+])
+@pytest.mark.parametrize("problem", ["separate", "overlap"])
+def test_optimal_throughput_matches_field_notes(topology, throughput, problem):
+    packing = plan_forest(topology, problem=problem)
+    assert packing.exact
+    assert packing.throughput == pytest.approx(throughput, rel=1e-9)
+    total = topology.capacity.sum()
+    assert packing.throughput <= total / (2 * (len(topology.workers) - 1)) * (1 + 1e-9)
+    _check_feasible(packing, topology)
+
+
+def _check_feasible(packing: ForestPacking, topology: Topology):
+    """Trees are arborescences on existing links spanning the active workers; per-group link loads stay
+    within capacity; every root's reduce weight equals its broadcast weight ((4a)/(4b), (8a)/(8b))."""
+    groups = {REDUCE: 0, OVERLAP: 0, BROADCAST: 1}
+    load = np.zeros((2,) + topology.capacity.shape)
+    per_root = {root: [0.0, 0.0] for root in packing.active}
+    for tree in packing.trees:
+        assert tree.weight > 0
+        for node in packing.active:
+            assert node == tree.root or _reaches(tree.parent, node, tree.root)
+        for src, dst in tree.edges():
+            assert topology.capacity[topology.index[src], topology.index[dst]] > 0
+            load[groups[tree.kind], topology.index[src], topology.index[dst]] += tree.weight
+        per_root[tree.root][tree.kind != REDUCE] += tree.weight
+    if packing.problem == "separate":
+        assert not any(t.kind == OVERLAP for t in packing.trees)
+    assert (load <= topology.capacity * (1 + 1e-7) + 1e-9).all()
+    for reduced, broadcast in per_root.values():
+        assert reduced == pytest.approx(broadcast, rel=1e-7, abs=1e-9)
+
+
+def random_topology(rng, n, symmetric):
+    links = []
+    for u in range(n):
+        for v in range(n):
+            if u != v and rng.random() < 0.6:
+                links.append((u, v, float(rng.integers(1, 5))))
+    chain = [(i, i + 1, 1.0) for i in range(n - 1)] + [(n - 1, 0, 1.0)]  # strongly connected
+    capacity = {}
+    for u, v, c in links + chain:
+        capacity[(u, v)] = capacity.get((u, v), 0.0) + c
+        if symmetric:
+            capacity[(v, u)] = capacity[(u, v)]
+    return Topology(tuple(str(i) for i in range(n)), tuple(Link(str(u), str(v), c) for (u, v), c in capacity.items()))
+
+
+def test_random_graphs_respect_capacity_bound_and_overlap_is_no_worse():
+    rng = np.random.default_rng(3)
+    for trial in range(6):
+        topology = random_topology(rng, int(rng.integers(3, 6)), symmetric=trial % 2 == 0)
+        separate = plan_forest(topology, problem="separate")
+        overlap = plan_forest(topology, problem="overlap")
+        bound = topology.capacity.sum() / (2 * (len(topology.workers) - 1))
+        for packing in (separate, overlap):
+            assert packing.exact
+            assert packing.throughput <= bound * (1 + 1e-9)
+            _check_feasible(packing, topology)
+        assert overlap.aggregate >= separate.aggregate * (1 - 1e-9)
+
+
+def test_relay_star_hand_computed():
+    # three workers around a switch, 1 Gbit/s each way: every tree crosses the switch; the links out of
+    # the switch carry each tree twice, so X <= 3/2; χ = 1/2 per root reaches it: throughput 3/4.
+    workers = ("a", "b", "c")
+    links = tuple(Link(w, "s", 1.0) for w in workers) + tuple(Link("s", w, 1.0) for w in workers)
+    topology = Topology(workers, links, relays=("s",))
+    packing = plan_forest(topology)
+    assert packing.throughput == pytest.approx(0.75, rel=1e-7)
+    assert packing.gap == pytest.approx(0.0, abs=1e-7)
+    _check_feasible(packing, topology)
+
+
+def test_partial_active_uses_relays_and_reports_its_bound():
+    # 4x4 at 10 Gbit/s, one active GPU per machine: each receives at most 3·100 + 12·10 = 420 Gbit/s,
+    # so (N − 1)·X <= 4·420 and the throughput is at most 280 Gbit/s — reachable only through relays.
+    topology = cluster(4, 4, 10.0)
+    active = active_from_spec(topology, "1,1,1,1")
+    assert active == ("m0g0", "m1g0", "m2g0", "m3g0")
+    packing = plan_forest(topology, active)
+    assert not packing.exact
+    assert packing.upper_bound / 2 <= 280 + 1e-6
+    assert packing.throughput == pytest.approx(280, rel=1e-6)
+    assert any(set(t.parent) - set(active) for t in packing.trees)
+    _check_feasible(packing, topology)
+
+
+def test_nccl_double_tree_parent_vectors():
+    assert nccl_double_tree(8) == ([-1, 2, 4, 2, 0, 6, 4, 6], [1, 3, 1, 7, 5, 3, 5, -1])
+    assert nccl_double_tree(7) == ([-1, 2, 4, 2, 0, 6, 4], [5, -1, 3, 5, 3, 1, 0])
+
+
+def test_baselines_on_unit_complete_graph():
+    topology, size = complete(4), 1e9
+    unit = size * 8 / 1e9  # seconds to move `size` bytes over one 1 Gbit/s link
+    assert baseline_time("ring", topology, None, size) == pytest.approx(6 * unit / 4)
+    assert baseline_time("parameter_server", topology, None, size) == pytest.approx(2 * unit / 4)
+    # trees [-1,2,0,2] and [1,3,1,-1] both use link 1→2 (one up, one down), each with |C|/2
+    assert baseline_time("nccl_tree", topology, None, size) == pytest.approx(unit)
+    # K4 with one-hop trees: the forest equals the sharded parameter server (Sec. VI-B)
+    assert plan_forest(topology).time(size) == pytest.approx(2 * unit / 4)
+    with pytest.raises(ConfigError, match="valid: blink"):
+        baseline_time("allgather", topology, None, size)
+
+
+def test_largest_remainder_and_chunk_sizes():
+    assert largest_remainder(10, [1, 1, 1]) == [4, 3, 3]
+    assert largest_remainder(7, [0.5, 0.25, 0.25]) == [3, 2, 2]  # quotas 3.5, 1.75, 1.75
+    packing = plan_forest(ring(6))
+    sizes = packing.chunk_sizes(1001)
+    for kinds in ((REDUCE,), (OVERLAP, BROADCAST)):
+        assert sum(s for s, t in zip(sizes, packing.trees) if t.kind in kinds) == 1001
+    for size, tree in zip(sizes, packing.trees):
+        assert abs(size - 1001 * tree.weight / packing.aggregate) < 2
+
+
+def test_time_follows_properties_2_and_3():
+    packing = plan_forest(ring(6, bidirectional=False))  # X = 1.2, every tree a 5-hop chain
+    stage = 1e9 * 8 / (1.2 * 1e9)
+    assert packing.time(1e9) == pytest.approx(2 * stage)
+    assert packing.time(1e9, sub_chunks=4) == pytest.approx(2 * stage * (4 + 5 - 1) / 4)
+
+
+def test_json_round_trip_and_hashes():
+    packing = plan_forest(complete(4), problem="separate")
+    again = ForestPacking.from_json(packing.to_json())
+    assert again == packing and again.hash == packing.hash
+    assert again.chunk_sizes(100) == packing.chunk_sizes(100)
+    shuffled = Topology(complete(4).workers, tuple(reversed(complete(4).links)), name="other")
+    assert shuffled.hash == complete(4).hash == packing.topology_hash
+    assert complete(4, gbps=2.0).hash != complete(4).hash
+    with pytest.raises(ConfigError, match="tree kind"):
+        ForestPacking.from_dict({**packing.to_dict(), "trees": [{**packing.to_dict()["trees"][0], "kind": "x"}]})
+
+
+def test_topology_file_with_units(tmp_path):
+    path = tmp_path / "net.yaml"
+    path.write_text("workers: [a, b]\nrelays: [s]\nlinks:\n"
+                    "  - {between: [a, s], bandwidth: 1 GB/s}\n"
+                    "  - {from: s, to: b, bandwidth: 100 Gbit/s, latency_us: 5}\n"
+                    "  - {from: b, to: s, bandwidth: 50}\n")
+    topology = load(path)
+    index = topology.index
+    assert topology.capacity[index["a"], index["s"]] == 8.0
+    assert topology.capacity[index["s"], index["b"]] == 100.0
+    assert topology.latency[index["s"], index["b"]] == pytest.approx(5e-6)
+    assert not topology.symmetric
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": 0}]}, "must be positive"),
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": "-3 Gbit/s"}]}, "must be positive"),
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "c"], "bandwidth": 1}]}, "'c' is neither"),
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": "3 furlongs"}]}, "cannot read"),
+    ({"workers": ["a"], "links": [], "extra": 1}, "unknown keys"),
+])
+def test_bad_topology_files(data, message):
+    with pytest.raises(ConfigError, match=message):
+        Topology.from_dict(data)
+
+
+def test_bad_active_sets():
+    split = Topology(("a", "b", "c"), (Link("a", "b", 1.0), Link("b", "a", 1.0), Link("c", "a", 1.0)))
+    with pytest.raises(ConfigError, match="cannot reach each other: a->c, b->c"):
+        plan_forest(split)
+    with pytest.raises(ConfigError, match="'z' is not a worker"):
+        plan_forest(complete(4), active=["0", "z"])
+    with pytest.raises(ConfigError, match="one token per machine"):
+        active_from_spec(cluster(2, 4, 10.0), "1,2,3")
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("torus-9")
+    assert active_from_spec(cluster(1, 8, 10.0), "4H") == ("m0g0", "m0g1", "m0g6", "m0g7")
+
+
+def _cli(capsys, *argv):
+    parser = argparse.ArgumentParser()
+    add_topo_commands(parser.add_subparsers(dest="command"))
+    run_topo(parser.parse_args(list(argv)))
+    return capsys.readouterr().out
+
+
+def test_cli_simulate_and_plan(capsys, tmp_path):
+    out = json.loads(_cli(capsys, "topo", "simulate", "--preset", "2x4-pcie", "--inter-gbps", "10",
+                          "--active", "2,3", "--json"))
+    times = {row["scheme"]: row["time_s"] for row in out["schemes"]}
+    assert set(times) >= {"forest (overlap)", "ring", "nccl_tree", "parameter_server", "blink", "plink"}
+    assert out["speedup_over_best_baseline"] >= 1.0
+    png, saved = tmp_path / "trees.png", tmp_path / "packing.json"
+    text = _cli(capsys, "topo", "plan", "--preset", "complete-4", "--draw", str(png), "--save", str(saved))
+    assert "throughput 2.000" in text and png.stat().st_size > 0
+    assert ForestPacking.from_json(saved.read_text()).throughput == pytest.approx(2.0)
