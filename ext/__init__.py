@@ -26,6 +26,7 @@ __all__ = [
     "Timeline",
     "no_sync",
     "planners",
+    "strategies",
     "profile",
     "simulate",
     "wrap",

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 pl = pytest.importorskip("pytorch_lightning")
 
-import gradsync  # noqa: E402  registers the strategy names
 from gradsync import ConfigError  # noqa: E402
 from gradsync.launch import run_local  # noqa: E402
 from gradsync.recipes.models import build  # noqa: E402
@@ -145,13 +144,11 @@ def attempt(run) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def without_gradsync_state(path: Path) -> Path:
-    """A copy of a checkpoint whose optimizer state lacks gradsync's entry (codec state, step)."""
+def save_without_gradsync_state(path: Path, stripped: Path) -> None:
+    """Write a copy of a checkpoint whose optimizer state lacks gradsync's entry (codec state, step)."""
     checkpoint = torch.load(path, weights_only=False)
     checkpoint["optimizer_states"][0].pop("gradsync")
-    stripped = path.with_name("stripped.ckpt")
     torch.save(checkpoint, stripped)
-    return stripped
 
 
 def resume_runs(rank, root: Path) -> dict:
@@ -162,14 +159,15 @@ def resume_runs(rank, root: Path) -> dict:
     runs["first_epoch"] = attempt(lambda: fit("acp_sgd", root, max_epochs=1, enable_checkpointing=True,
                                               callbacks=[saver], **epoch))
     saved = root / "checkpoints" / "resume.ckpt"
+    stripped = saved.with_name("stripped.ckpt")
     runs["resumed"] = attempt(lambda: fit("acp_sgd", root, ckpt_path=saved, max_epochs=2, **epoch))
     if rank == 0:
-        stripped = without_gradsync_state(saved)
+        save_without_gradsync_state(saved, stripped)
         gradsync_state = torch.load(saved, weights_only=False)["optimizer_states"][0]["gradsync"]
         runs["saved"] = {"step": gradsync_state["step"], "error_feedback_ranks": len(gradsync_state["per_rank"])}
     torch.distributed.barrier()
     runs["resumed_without_gradsync_state"] = attempt(
-        lambda: fit("acp_sgd", root, ckpt_path=root / "checkpoints" / "stripped.ckpt", max_epochs=2, **epoch))
+        lambda: fit("acp_sgd", root, ckpt_path=stripped, max_epochs=2, **epoch))
     return runs
 
 

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from .. import planners
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec

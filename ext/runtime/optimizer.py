@@ -50,7 +50,7 @@ class SyncedOptimizer(torch.optim.Optimizer):
     Attributes it does not define itself (hooks, private state) are the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sync: "GradSync"):  # noqa: super() is the wrapped one
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: "GradSync"):  # no super().__init__: state is the wrapped one's
         self.__dict__["optimizer"] = optimizer
         self.__dict__["sync"] = sync
 

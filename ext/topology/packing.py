@@ -404,7 +404,7 @@ def _flow_relaxation(graph: _Graph, kind: str) -> float:
     n_chi, n_z = len(roots), len(roots) * m
     f0 = n_chi + n_z
     n_vars = f0 + len(pairs) * m
-    rows, cols, vals, b_eq = [], [], [], []
+    rows, cols, vals = [], [], []
     for k, (r, t) in enumerate(pairs):  # conservation: out − in − χ_r [u = root] + χ_r [u = t] = 0
         base, row0 = f0 + k * m, k * n
         rows += [row0 + src, row0 + dst, [row0 + roots[r], row0 + t]]
