@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from .errors import ConfigError
@@ -69,6 +69,10 @@ class Plan:
     @property
     def channels(self) -> int:
         return 1 + max((op.channel for op in self.ops), default=0)
+
+    def with_transport(self, transport: str) -> "Plan":
+        """The same plan with every op carried by `transport` (a runtime choice, not a planner's)."""
+        return replace(self, ops=tuple(replace(op, transport=transport) for op in self.ops))
 
     def op_bytes(self, op: Op, profile: ModelProfile) -> int:
         tensors = profile.tensor_map()

@@ -3,13 +3,14 @@
 ``import gradsync`` registers, in the StrategyRegistry of each installed Lightning package
 (``pytorch_lightning`` and ``lightning.pytorch``), one name per scheduler (wfbp, ddp_buckets,
 mg_wfbp, optimal_merge, asc_wfbp, bytescheduler, us_byte, gradsync_auto) and per compressor
-(acp_sgd, powersgd, signsgd, topk; scheduled by optimal_merge), so that
+(acp_sgd, powersgd, signsgd, topk; scheduled by optimal_merge) and per transport (forest: the auto
+plan over reduce/broadcast trees packed on the topology), so that
 ``Trainer(strategy="acp_sgd", accelerator="cpu", devices=2)`` works. For other options, pass
 ``GradSyncStrategy(scheduler=..., compressor=..., **gradsync.wrap options)``.
 """
 from importlib.util import find_spec
 
-from .strategy import COMPRESSORS, SCHEDULERS, GradSyncOverrides
+from .strategy import COMPRESSORS, SCHEDULERS, TRANSPORTS, GradSyncOverrides
 
 
 def _importable(module: str) -> bool:
@@ -19,7 +20,7 @@ def _importable(module: str) -> bool:
         return False
 
 
-__all__ = ["COMPRESSORS", "SCHEDULERS"]
+__all__ = ["COMPRESSORS", "SCHEDULERS", "TRANSPORTS"]
 
 if _importable("pytorch_lightning"):
     from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry

@@ -147,9 +147,13 @@ class GradSyncOverrides:
     # -- registration ------------------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        """Register every name of SCHEDULERS and COMPRESSORS with `cls` (re-registering replaces)."""
+        """Register every name of SCHEDULERS, COMPRESSORS and TRANSPORTS with `cls` (re-registering
+        replaces)."""
         for name, (scheduler, description) in SCHEDULERS.items():
             strategy_registry.register(name, cls, description=description, override=True, scheduler=scheduler)
+        for name, (scheduler, description) in TRANSPORTS.items():
+            strategy_registry.register(name, cls, description=description, override=True, scheduler=scheduler,
+                                       transport=name)
         for name, description in COMPRESSORS.items():
             strategy_registry.register(name, cls, description=description, override=True,
                                        scheduler=COMPRESSOR_SCHEDULER, compressor=name)
@@ -174,4 +178,10 @@ COMPRESSORS = {
     "powersgd": "gradsync: Power-SGD low-rank compression with error feedback",
     "signsgd": "gradsync: EF-SignSGD, one bit per element with a scale and error feedback",
     "topk": "gradsync: top-k sparsification with error feedback",
+}
+
+# transport strategies: the `auto` plan's ops carried by that transport (topology: the complete graph
+# of the ranks unless the strategy is built with ``topology=``)
+TRANSPORTS = {
+    "forest": ("auto", "gradsync: reduce/broadcast trees packed on the network topology (forest packing)"),
 }

@@ -75,11 +75,11 @@ def ddp_reference(rank: int, steps: int, accumulation: int, clipping: float) -> 
     return flat(model)
 
 
-def uncompressed_equivalence(rank: int, cost_path: str, clipping: float) -> dict:
+def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transport: dict) -> dict:
     accumulation, steps = 2, 8
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
               "gradient_clipping": clipping, "optimizer": SGD, **QUIET,
-              "gradsync": {"scheduler": "us_byte", "channels": 2, "cost": cost_path}}
+              "gradsync": {"scheduler": "us_byte", "channels": 2, "cost": cost_path, **transport}}
     model = mlp()
     engine, optimizer, _, _ = gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                             config=config)
@@ -91,6 +91,7 @@ def uncompressed_equivalence(rank: int, cost_path: str, clipping: float) -> dict
               "synchronised_backward_passes": engine.gradsync.sync_steps,
               "forward_phase_ops": sum(op.phase == FORWARD for op in engine.gradsync.plan.ops),
               "backward_allreduce": engine.enable_backward_allreduce,
+              "transport": engine.gradsync.channels.transport,
               "engine_class": type(engine).__name__}
     engine.destroy()
     return result
@@ -152,8 +153,9 @@ def main() -> None:
     started = time.perf_counter()
     result = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
               "accelerator": os.environ.get("DS_ACCELERATOR"),
-              "uncompressed": uncompressed_equivalence(rank, str(cost_path), clipping=0.0),
-              "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), clipping=1.0),
+              "uncompressed": uncompressed_equivalence(rank, str(cost_path), 0.0, {}),
+              "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), 1.0,
+                                                               {"transport": "forest", "topology": "complete-2"}),
               "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint")}
     result["seconds"] = time.perf_counter() - started
     if rank == 0:

@@ -60,9 +60,14 @@ def test_compressor_with_compressed_optimizer(no_deepspeed_start):
     assert "acp_sgd" in message and "onebitadam" in message
 
 
-def test_forest_transport_not_available_yet(no_deepspeed_start):
-    message = refused({"transport": "forest"})
-    assert "gradsync.transport" in message and "forest" in message and "allreduce" in message
+@pytest.mark.parametrize("section, needle", [
+    ({"transport": "trees"}, "valid: allreduce, forest"),
+    ({"transport": "forest", "topology": "torus-3"}, "unknown preset 'torus-3'"),
+    ({"topology": "ring-2"}, "transport 'forest' only"),
+])
+def test_bad_transport_or_topology(no_deepspeed_start, section, needle):
+    message = refused(section)
+    assert "gradsync.t" in message and needle in message
 
 
 def test_bad_scheduler_names_key_and_choices(no_deepspeed_start):
@@ -140,7 +145,9 @@ def test_launcher_runs_two_cpu_ranks_on_gloo(two_rank_job):
 
 @pytest.mark.parametrize("run", ["uncompressed", "uncompressed_clipped"])
 def test_uncompressed_us_byte_matches_ddp(two_rank_job, run):
+    """The clipped run's ops travel over the forest transport (the complete graph of the 2 ranks)."""
     result = two_rank_job[run]
+    assert result["transport"] == ("forest" if run == "uncompressed_clipped" else "allreduce")
     assert result["engine_class"] == "GradSyncDeepSpeedEngine" and result["backward_allreduce"] is False
     assert result["global_steps"] == 8  # 16 micro-batches, accumulation 2
     assert result["synchronised_backward_passes"] == 8  # only the accumulation boundaries communicate

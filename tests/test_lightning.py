@@ -22,7 +22,7 @@ pl = pytest.importorskip("pytorch_lightning")
 from gradsync import ConfigError  # noqa: E402
 from gradsync.launch import run_local  # noqa: E402
 from gradsync.recipes.models import build  # noqa: E402
-from gradsync.strategies import COMPRESSORS, SCHEDULERS, GradSyncStrategy  # noqa: E402
+from gradsync.strategies import COMPRESSORS, SCHEDULERS, TRANSPORTS, GradSyncStrategy  # noqa: E402
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
@@ -178,7 +178,7 @@ def all_runs(rank, world_size, root):
     shared = Path(root)
     root = shared / f"rank{rank}"
     results = {"ddp": fit("ddp", root)}
-    for name in [*SCHEDULERS, *COMPRESSORS]:
+    for name in [*SCHEDULERS, *COMPRESSORS, *TRANSPORTS]:
         results[name] = attempt(lambda: fit(name, root))
     for name in ("ddp", "wfbp", "us_byte"):
         results[f"accumulate/{name}"] = attempt(lambda: fit(name, root, accumulate_grad_batches=2))
@@ -212,9 +212,10 @@ def test_every_name_is_registered_with_its_scheduler_and_compressor():
         assert StrategyRegistry[name]["init_params"] == {"scheduler": scheduler}
     for name in COMPRESSORS:
         assert StrategyRegistry[name]["init_params"] == {"scheduler": "optimal_merge", "compressor": name}
+    assert StrategyRegistry["forest"]["init_params"] == {"scheduler": "auto", "transport": "forest"}
     names = {"wfbp", "ddp_buckets", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte",
-             "gradsync_auto", "acp_sgd", "powersgd", "signsgd", "topk"}
-    assert names == set(SCHEDULERS) | set(COMPRESSORS)
+             "gradsync_auto", "acp_sgd", "powersgd", "signsgd", "topk", "forest"}
+    assert names == set(SCHEDULERS) | set(COMPRESSORS) | set(TRANSPORTS)
     assert all(StrategyRegistry[name]["strategy"] is GradSyncStrategy for name in names)
     assert all(StrategyRegistry[name]["description"].startswith("gradsync: ") for name in names)
 
@@ -248,7 +249,7 @@ def test_gradsync_imports_without_lightning():
         "print(sorted(gradsync.strategies.__all__))\n")
     done = subprocess.run([sys.executable, "-c", hide_lightning], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["['COMPRESSORS',", "'SCHEDULERS']"]
+    assert done.stdout.split() == ["['COMPRESSORS',", "'SCHEDULERS',", "'TRANSPORTS']"]
 
 
 def test_unknown_scheduler_fails_at_construction():
@@ -257,7 +258,7 @@ def test_unknown_scheduler_fails_at_construction():
 
 
 # -- training on 2 ranks ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", [*SCHEDULERS, *COMPRESSORS])
+@pytest.mark.parametrize("name", [*SCHEDULERS, *COMPRESSORS, *TRANSPORTS])
 def test_every_strategy_trains_identical_replicas(ranks, name):
     first, second = ranks[0][name], ranks[1][name]
     assert distance(first, second) == 0
@@ -265,7 +266,7 @@ def test_every_strategy_trains_identical_replicas(ranks, name):
     assert distance(first, initial()) > TOLERANCE  # it trained
 
 
-@pytest.mark.parametrize("name", list(SCHEDULERS))
+@pytest.mark.parametrize("name", [*SCHEDULERS, *TRANSPORTS])
 def test_uncompressed_strategies_match_ddp(ranks, name):
     assert distance(ranks[0][name], ranks[0]["ddp"]) < TOLERANCE
     shown = ranks[0][name]["progress_bar"]

@@ -259,6 +259,7 @@ def test_parameters_and_buffers_come_from_rank_0_and_inputs_load_from_json(tmp_p
 
 class _FakeChannels:
     world_size = 2
+    transport = "allreduce"
 
     def __len__(self):
         return 2
@@ -283,7 +284,7 @@ def test_an_op_never_mixes_gradient_dtypes():
 
 
 @pytest.mark.parametrize("field, value", [("transport", "forest"), ("codec", "acp_sgd")])
-def test_transports_and_codecs_the_runtime_lacks_are_refused(field, value):
+def test_transports_and_codecs_the_runtime_does_not_run_are_refused(field, value):
     from gradsync import Op, Plan, Slice
 
     model = torch.nn.Linear(2, 2, bias=False)

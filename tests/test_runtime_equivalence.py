@@ -31,14 +31,15 @@ def _grads(model):
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
 
 
-def gradients_match_ddp(rank, world_size):
-    """One backward per scheduler; every gradient equals DDP's (None where DDP's is None)."""
+def gradients_match_ddp(rank, world_size, schedulers=tuple(SCHEDULERS), transport=None):
+    """One backward per scheduler; every gradient equals DDP's (None where DDP's is None).
+    `transport`: wrap's transport options (default: the backend's all-reduce)."""
     mismatches = []
-    for name in SCHEDULERS:
+    for name in schedulers:
         model, reference = _models()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model, optimizer = gradsync.wrap(model, optimizer, scheduler=name, profile=synthetic_profile(model),
-                                         cost=COST, **SMALL_BLOCKS.get(name, {}))
+                                         cost=COST, **SMALL_BLOCKS.get(name, {}), **(transport or {}))
         _loss(model, rank, 0).backward()
         optimizer.synchronize()
         _loss(reference, rank, 0).backward()
@@ -55,6 +56,13 @@ def gradients_match_ddp(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_scheduler_gives_ddp_gradients(world_size):
     for mismatches in run_local(gradients_match_ddp, world_size):
+        assert mismatches == []
+
+
+def test_forest_transport_gives_ddp_gradients():
+    """Ops carried by the forest trees of a 3-ring: backward-phase, two-channel and forward-phase plans."""
+    forest = {"transport": "forest", "topology": "ring-3"}
+    for mismatches in run_local(gradients_match_ddp, 3, ("wfbp", "asc_wfbp", "us_byte"), forest):
         assert mismatches == []
 
 

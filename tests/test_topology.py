@@ -189,6 +189,8 @@ def test_json_round_trip_and_hashes():
     shuffled = Topology(complete(4).workers, tuple(reversed(complete(4).links)), name="other")
     assert shuffled.hash == complete(4).hash == packing.topology_hash
     assert complete(4, gbps=2.0).hash != complete(4).hash
+    for topology in (cluster(2, 2, 10.0), Topology(("a", "b"), (Link("a", "b", 3.0, 2e-6), Link("b", "a", 1.5)))):
+        assert Topology.from_dict(topology.to_dict()) == topology
     with pytest.raises(ConfigError, match="tree kind"):
         ForestPacking.from_dict({**packing.to_dict(), "trees": [{**packing.to_dict()["trees"][0], "kind": "x"}]})
 

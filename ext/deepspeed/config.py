@@ -15,13 +15,12 @@ from deepspeed.runtime.config import (get_managed_gradient_accumulation, get_tor
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from ..compress import Codec
-from ..errors import ConfigError, unknown_name
+from ..errors import ConfigError
 from ..runtime import WrapArguments, check_wrap_arguments, wrap
 
 SECTION = "gradsync"
 KEYS = ("scheduler", "compressor", "channels", "profile", "cost", "trace", "timeout", "nonfinite", "options",
-        "transport")
-TRANSPORTS = ("allreduce",)
+        "transport", "topology")
 # DeepSpeed optimizers that compress their own communication (the momentum, not the gradient)
 COMPRESSED_OPTIMIZERS = ("onebitadam", "onebitlamb", "zerooneadam")
 
@@ -60,11 +59,9 @@ def wrap_arguments(section) -> WrapArguments:
     unknown = sorted(set(section) - set(KEYS))
     if unknown:
         raise ConfigError(f"DeepSpeed config '{SECTION}': unknown key(s) {unknown}; valid: {', '.join(KEYS)}")
-    with field("transport"):
-        _transport(section.get("transport", "allreduce"))
     with field("options"):
         options = _planner_options(section.get("options", {}))
-    arguments = {key: section[key] for key in KEYS if key in section and key not in ("transport", "options")}
+    arguments = {key: section[key] for key in KEYS if key in section and key != "options"}
     with field(", ".join(sorted(arguments)) or "options"):
         return check_wrap_arguments(**arguments, **options)
 
@@ -116,14 +113,6 @@ def _optimizer_name(ds_config: dict, optimizer) -> str:
     if optimizer is not None:
         return (optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__).lower()
     return str((ds_config.get("optimizer") or {}).get("type", "")).lower()
-
-
-def _transport(name) -> None:
-    if name == "forest":
-        raise ConfigError("transport 'forest' is not available yet (it arrives with the topology planner); "
-                          f"valid: {', '.join(TRANSPORTS)}")
-    if name not in TRANSPORTS:
-        raise unknown_name("transport", name, TRANSPORTS)
 
 
 def _planner_options(options) -> dict:

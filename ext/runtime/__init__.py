@@ -13,12 +13,14 @@ from ..compress import Codec
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..profile import ModelProfile
+from ..topology import Topology, complete
 from .arguments import WrapArguments, check_wrap_arguments
 from .channels import Channels
 from .engine import GradSync, IterationStats, _broadcast_from_first, attached, no_sync
 from .executor import NonFiniteGradient
 from .layout import ParameterLayout
-from .measure import ProfileCalibration, measure_cost, share_from_first
+from ..agreement import share_from_first
+from .measure import ProfileCalibration, measure_cost
 from .optimizer import SyncedOptimizer
 from .trace import ChromeTrace
 
@@ -41,6 +43,8 @@ def wrap(
     broadcast_buffers: bool = True,
     warmup_iterations: int = 1,
     measure_iterations: int = 3,
+    transport: str = "allreduce",
+    topology=None,
     **options,
 ):
     """Attach gradsync to `model` and return ``(model, optimizer)``.
@@ -51,11 +55,14 @@ def wrap(
     `measure_iterations` iterations run as WFBP while layers are timed; the cost is fitted from
     timed all-reduces at wrap time). `channels`: process groups for simultaneous all-reduces
     (default 2; passed to planners that take it). `nonfinite`: ``"raise"`` (name the parameter),
-    ``"skip"`` (skip the step on every rank) or ``"ignore"``. `options` go to the planner.
+    ``"skip"`` (skip the step on every rank) or ``"ignore"``. `transport`: ``"allreduce"`` (the
+    backend's) or ``"forest"`` (reduce/broadcast trees packed on `topology`: a Topology, a preset
+    name or a file; default the complete graph of the ranks). `options` go to the planner.
     Every argument is checked before the first collective.
     """
     arguments = check_wrap_arguments(scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite,
-                                     broadcast_buffers, warmup_iterations, measure_iterations, **options)
+                                     broadcast_buffers, warmup_iterations, measure_iterations, transport, topology,
+                                     **options)
     return attach(model, optimizer, arguments, process_group)
 
 
@@ -74,7 +81,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
 
     _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], process_group)
-    channels = Channels(arguments.channels, process_group, timedelta(seconds=arguments.timeout))
+    channels = Channels(arguments.channels, process_group, timedelta(seconds=arguments.timeout),
+                        _forest_topology(arguments, process_group))
     writer = ChromeTrace(arguments.trace, dist.get_rank(process_group)) if arguments.trace else None
     codec = arguments.codec
     codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channels.world_size,
@@ -91,3 +99,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
                                               arguments.measure_iterations, type(model).__name__)
     return model, SyncedOptimizer(optimizer, sync)
+
+
+def _forest_topology(arguments: WrapArguments, process_group) -> Topology | None:
+    """The topology the forest transport packs (the complete graph of the ranks by default)."""
+    if arguments.transport != "forest":
+        return None
+    return arguments.topology or complete(dist.get_world_size(process_group))

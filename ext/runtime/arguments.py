@@ -9,9 +9,12 @@ from pathlib import Path
 from .. import compress, planners
 from ..compress import Codec
 from ..cost import CostModel
-from ..errors import ConfigError
+from ..errors import ConfigError, unknown_name
 from ..profile import LayerProfile, ModelProfile, TensorSpec
+from ..topology import Topology, load as load_topology, preset as topology_preset
 from .executor import check_nonfinite_mode
+
+TRANSPORTS = ("allreduce", "forest")
 
 
 @dataclass
@@ -30,12 +33,15 @@ class WrapArguments:
     warmup_iterations: int
     measure_iterations: int
     planner_options: dict = field(default_factory=dict)
+    transport: str = "allreduce"
+    topology: Topology | None = None  # forest only; None: the complete graph of the ranks
 
 
 def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int | None = None,
                          profile="measure", cost="measure", trace=None, timeout: float = 600.0,
                          nonfinite: str = "raise", broadcast_buffers: bool = True, warmup_iterations: int = 1,
-                         measure_iterations: int = 3, **options) -> WrapArguments:
+                         measure_iterations: int = 3, transport: str = "allreduce", topology=None,
+                         **options) -> WrapArguments:
     """``wrap``'s arguments (see there) checked: ConfigError naming the argument otherwise."""
     planner = planners.get(scheduler)
     codec = compress.build(compressor)
@@ -45,6 +51,7 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"'timeout' must be a number of seconds > 0, got {timeout!r}")
     check_nonfinite_mode(nonfinite)
+    network = _topology(transport, topology, codec)
     for name, value, least in (("warmup_iterations", warmup_iterations, 0), ("measure_iterations", measure_iterations, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{name!r} must be an integer >= {least}, got {value!r}")
@@ -61,8 +68,30 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
         cost=_load(cost, "cost", lambda path: CostModel(**_read_json(path)), CostModel),
         trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=bool(broadcast_buffers),
         warmup_iterations=warmup_iterations, measure_iterations=measure_iterations,
-        planner_options=planner_options,
+        planner_options=planner_options, transport=transport, topology=network,
     )
+
+
+def _topology(transport: str, topology, codec: Codec) -> Topology | None:
+    """The forest transport's topology: a Topology, a preset name or a topology file (YAML/JSON)."""
+    if transport not in TRANSPORTS:
+        raise unknown_name("transport", transport, TRANSPORTS)
+    if transport != "forest":
+        if topology is not None:
+            raise ConfigError("'topology' is used by transport 'forest' only; set transport='forest' or drop it")
+        return None
+    if codec.collective != "allreduce":
+        raise ConfigError(f"transport 'forest' runs all-reduces; compressor {codec.name!r} all-gathers "
+                          "(use the 'allreduce' transport, or acp_sgd / powersgd)")
+    if topology is None or isinstance(topology, Topology):
+        return topology
+    if isinstance(topology, (str, Path)):
+        if Path(topology).is_file():
+            return load_topology(topology)
+        if Path(topology).suffix in (".yaml", ".yml", ".json"):
+            raise ConfigError(f"'topology': no such file {str(topology)!r}")
+        return topology_preset(str(topology))
+    raise ConfigError(f"'topology' must be a Topology, a preset name or a file path, got {type(topology).__name__}")
 
 
 def _read_json(path):

@@ -3,6 +3,9 @@
 Gloo runs the collectives of one process group in call order, and NCCL serialises the operations
 of one communicator; concurrency therefore needs one group per channel. Every rank issues the ops
 of a channel in the same (plan) order, which keeps several NCCL communicators deadlock-free.
+
+Transport: the backend's all-reduce, or (given a topology) the forest packing's trees, executed
+by one `ForestAllReduce` per channel on that channel's group and thread.
 """
 from __future__ import annotations
 
@@ -11,12 +14,17 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..topology import Topology
+from ..topology.allreduce import ForestAllReduce
 
 
 class Channels:
-    """`count` process groups over the ranks of `process_group` (channel 0 may be that group)."""
+    """`count` process groups over the ranks of `process_group`; with `forest` (the topology of
+    those ranks, rank i = worker i) ops travel over its forest packing instead of the backend's
+    all-reduce."""
 
-    def __init__(self, count: int, process_group=None, timeout: timedelta | None = None):
+    def __init__(self, count: int, process_group=None, timeout: timedelta | None = None,
+                 forest: Topology | None = None):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"'channels' must be an integer >= 1, got {count!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -26,15 +34,30 @@ class Channels:
         self.world_size = len(ranks)
         self.rank = dist.get_rank(process_group)
         self.groups = [dist.new_group(ranks, timeout=timeout) for _ in range(count)]
+        self.forests: list[ForestAllReduce] = []
+        if forest is not None:
+            first = ForestAllReduce(forest, process_group=self.groups[0])
+            self.forests = [first] + [ForestAllReduce(forest, process_group=group, packing=first.packing)
+                                      for group in self.groups[1:]]
+
+    @property
+    def transport(self) -> str:
+        """What carries every op: "forest" or the backend's "allreduce"."""
+        return "forest" if self.forests else "allreduce"
 
     def __len__(self) -> int:
         return len(self.groups)
 
     def all_reduce(self, channel: int, tensor):
         """Start a sum all-reduce of `tensor` on `channel`; returns the work handle."""
+        if self.forests:
+            return self.forests[channel].all_reduce(tensor, async_op=True)
         return dist.all_reduce(tensor, group=self.groups[channel], async_op=True)
 
     def destroy(self) -> None:
+        for forest in self.forests:
+            forest.close()
+        self.forests = []
         for group in self.groups:
             dist.destroy_process_group(group)
         self.groups = []

@@ -14,12 +14,13 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
+from ..agreement import check_same_on_all_ranks
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
@@ -100,7 +101,8 @@ class GradSync:
         rank), check the hashes on every rank, and execute the plans from the next backward pass."""
         planner = planner_name or self.planner_name
         options = self.planner_options if planner == self.planner_name else {}  # the calibration plan takes none
-        layout_plans = plan_layouts(profile, cost, planner, self.codec, options)
+        layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
+                        for layout, entry in plan_layouts(profile, cost, planner, self.codec, options).items()}
         plans = {layout: entry.plan for layout, entry in layout_plans.items()}
         self._check_same_plans(plans)
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
@@ -120,13 +122,9 @@ class GradSync:
         return self.plans[self.codec.rounds(self.sync_steps)[0]]
 
     def _check_same_plans(self, plans: dict[str, Plan]) -> None:
-        hashes = [None] * self.channels.world_size
-        mine = tuple(plan.hash for plan in plans.values())
-        dist.all_gather_object(hashes, mine, group=self.channels.process_group)
-        if len(set(hashes)) > 1:
-            differing = [rank for rank, h in enumerate(hashes) if h != hashes[0]]
-            raise ConfigError(f"ranks {differing} built a different plan from rank 0 (plan hash mismatch); "
-                              "give every rank the same model, profile, cost and options")
+        check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",
+                                "give every rank the same model, profile, cost and options",
+                                self.channels.process_group)
 
     def check_optimizer(self, optimizer) -> None:
         self.layout.check_optimizer(optimizer)

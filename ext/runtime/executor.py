@@ -22,8 +22,6 @@ from ..errors import ConfigError
 from ..plan import BACKWARD, Plan, ops_by_channel
 from .channels import Channels
 
-SUPPORTED_TRANSPORTS = ("allreduce",)
-
 
 @dataclass
 class _OpState:
@@ -68,9 +66,9 @@ class PlanExecutor:
 
     def _op_state(self, op) -> _OpState:
         tensors = op.tensors()
-        if op.transport not in SUPPORTED_TRANSPORTS:
-            raise ConfigError(f"the runtime executes transports {SUPPORTED_TRANSPORTS}; an op asks for "
-                              f"transport {op.transport!r}")
+        if op.transport != self.channels.transport:
+            raise ConfigError(f"an op asks for transport {op.transport!r} but the channels run "
+                              f"{self.channels.transport!r} (set wrap's 'transport')")
         if op.codec not in ("identity", self.codec.name):
             raise ConfigError(f"an op asks for codec {op.codec!r} but the runtime runs {self.codec.name!r}")
         dtypes = {self.parameters[name].dtype for name in tensors}

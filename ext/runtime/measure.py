@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..agreement import share_from_first
 from ..cost import CostModel
 from ..profile import ModelProfile
 from .channels import Channels
@@ -122,14 +123,6 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     byte_sizes = [buffers[s].numel() * element for s in sizes]
     return CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
                          measured[len(sizes):], name="measured", clamp=True)
-
-
-def share_from_first(value, process_group):
-    """Rank 0's `value` on every rank (any picklable object)."""
-    box = [value]
-    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    dist.broadcast_object_list(box, src=source, group=process_group)
-    return box[0]
 
 
 class ProfileCalibration:

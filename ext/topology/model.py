@@ -115,10 +115,12 @@ class Topology:
         return chosen
 
     def to_dict(self) -> dict:
+        """The file format (bandwidth in Gbit/s): `from_dict(to_dict())` gives an equal topology."""
         return {
             "name": self.name, "workers": list(self.workers), "relays": list(self.relays),
             "groups": dict(sorted(self.groups.items())),
-            "links": [{"from": l.src, "to": l.dst, "gbps": l.gbps, "latency_s": l.latency} for l in self.links],
+            "links": [{"from": l.src, "to": l.dst, "bandwidth": l.gbps, "latency_us": l.latency * 1e6}
+                      for l in self.links],
         }
 
     @cached_property
