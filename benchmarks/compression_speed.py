@@ -9,13 +9,18 @@ codec's reduced target, finish; no communication. A step's time is the mean of t
 steps (ACP-SGD's P step and Q step); the median over repeats is reported. Sign-SGD and Top-k
 (density 0.01) rows are for reference.
 
-Run: `.venv/bin/python benchmarks/compression_speed.py` (about a minute on 2 cores).
+Run: `.venv/bin/python benchmarks/compression_speed.py` (about a minute on 2 cores). It prints the
+table and writes it, with the machine's load average and the command, to
+benchmarks/results/compression_speed.md.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +40,7 @@ CODECS = {
     "Top-k 1%": ("topk", {"density": 0.01}),
 }
 TARGET = 0.55
+REPORT = Path(__file__).parent / "results" / "compression_speed.md"
 
 
 def step_seconds(codec, parameters: dict, gradients: dict, step: int) -> float:
@@ -78,21 +84,41 @@ def median_steps(shapes: list[tuple[int, int]], repeats: int) -> dict[str, float
     return {label: statistics.median(values) for label, values in samples.items()}
 
 
+def table(times: dict[str, dict[str, float]], repeats: int) -> list[str]:
+    """The markdown table of per-step times and the ACP-SGD / Power-SGD ratios, and the verdict."""
+    lines = [f"per-step compression + decompression, ms (CPU, {torch.get_num_threads()} threads, rank 4, "
+             f"median of {repeats})", "", f"| tensors | {' | '.join(CODECS)} | ACP / Power |",
+             "|---" * (len(CODECS) + 2) + "|"]
+    for group, row in times.items():
+        ratio = row["ACP-SGD"] / row["Power-SGD"]
+        lines.append(f"| {group} | {' | '.join(f'{row[label] * 1e3:.1f}' for label in CODECS)} | {ratio:.2f} |")
+    total = times["total"]["ACP-SGD"] / times["total"]["Power-SGD"]
+    lines += ["", f"ACP-SGD / Power-SGD = {total:.2f} (target ≤ {TARGET}): {'met' if total <= TARGET else 'NOT met'}"]
+    return lines
+
+
+def write_report(lines: list[str], load_before: tuple, load_after: tuple) -> None:
+    """The table, the load average around the run (other processes inflate and scatter the times)
+    and the command, as benchmarks/results/compression_speed.md."""
+    load = f"{' / '.join(f'{v:.2f}' for v in load_before)} before, {' / '.join(f'{v:.2f}' for v in load_after)} after"
+    command = " ".join([".venv/bin/python", "benchmarks/compression_speed.py", *sys.argv[1:]])
+    REPORT.parent.mkdir(exist_ok=True)
+    REPORT.write_text("\n".join([
+        "# Compression speed on the CPU: ACP-SGD against Power-SGD", "",
+        f"Command: `{command}`. Machine: {os.cpu_count()} CPUs, load average (1 / 5 / 15 min) {load}.", "",
+        *lines, ""]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="measured pairs of steps (default 3)")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     times = {group: median_steps(shapes, args.repeats) for group, shapes in GROUPS.items()}
     times["total"] = {label: sum(times[group][label] for group in GROUPS) for label in CODECS}
-    print(f"per-step compression + decompression, ms (CPU, {torch.get_num_threads()} threads, rank 4, "
-          f"median of {args.repeats})")
-    print(f"| tensors | {' | '.join(CODECS)} | ACP / Power |")
-    print("|---" * (len(CODECS) + 2) + "|")
-    for group, row in times.items():
-        ratio = row["ACP-SGD"] / row["Power-SGD"]
-        print(f"| {group} | {' | '.join(f'{row[label] * 1e3:.1f}' for label in CODECS)} | {ratio:.2f} |")
-    total = times["total"]["ACP-SGD"] / times["total"]["Power-SGD"]
-    print(f"ACP-SGD / Power-SGD = {total:.2f} (target ≤ {TARGET}): {'met' if total <= TARGET else 'NOT met'}")
+    lines = table(times, args.repeats)
+    print("\n".join(lines))
+    write_report(lines, load_before, os.getloadavg())
 
 
 if __name__ == "__main__":

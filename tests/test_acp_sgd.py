@@ -280,3 +280,25 @@ def test_fusion_thresholds_shrink_by_the_compression_rate():
     assert scale_byte_options(ddp, {"bucket_cap_bytes": 1000}, 0.5)["bucket_cap_bytes"] == 500
     assert scale_byte_options(ddp, {"bucket_cap_bytes": 1000}, 1.0) == {"bucket_cap_bytes": 1000}
     assert scale_byte_options(wfbp, {}, 0.01) == {}
+
+
+@pytest.mark.parametrize("step", [0, 1])  # a P step, then a Q step
+def test_row_blocked_compression_follows_algorithm_2(step, monkeypatch):
+    """With blocks of a few rows, the factor and E ← M + E − P·Qᵀ equal the unblocked formulas."""
+    monkeypatch.setattr("gradsync.compress.low_rank.BLOCK_BYTES", 3 * 20 * 4)  # 3-row blocks of 30 × 20
+    codec = ACPSGD(rank=2)
+    codec.setup({"w": TensorSpec("w", 30 * 20, 4, (30, 20))}, 1, seed=3)
+    generator = torch.Generator().manual_seed(2)
+    if step:
+        one_worker_step(codec, "w", torch.randn(30, 20, generator=generator), 0)
+    error, gradient = codec.errors.get("w", torch.zeros(30, 20)).clone(), torch.randn(30, 20, generator=generator)
+    wire = codec.encode("w", gradient, step)
+    query, combined = codec.query["w"], gradient + error
+    if step == 0:
+        p, q = combined @ query, query
+        expected_wire = p
+    else:
+        p, q = query, combined.T @ query
+        expected_wire = q
+    assert torch.allclose(wire, expected_wire.reshape(-1), atol=1e-5)
+    assert torch.allclose(codec.errors["w"], combined - p @ q.T, atol=1e-5)

@@ -19,8 +19,8 @@ from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
 from .gradients import all_finite
-from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, select_matrices,
-                       subtract_low_rank)
+from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, fused_update_available,
+                       keep_error, row_blocks, select_matrices, spare_buffer, subtract_low_rank, write_low_rank)
 from .orthogonalize import orthogonalize
 
 PLAIN, P_STEP, Q_STEP = "plain", "P", "Q"
@@ -59,6 +59,7 @@ class ACPSGD(Codec):
             self.p_prev[name] = torch.randn(n, r, generator=generator)
             self.q_prev[name] = torch.randn(m, r, generator=generator)
         self.errors: dict[str, torch.Tensor] = {}
+        self.spares: dict[tuple, torch.Tensor] = {}  # one free error-sized buffer per shape
         self.query: dict[str, torch.Tensor] = {}  # the orthonormal factor of the current step
         self.staging: dict[str, torch.Tensor] = {}
 
@@ -82,14 +83,16 @@ class ACPSGD(Codec):
         return TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r))
 
     def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
-        """Encode: two (n × m)·(m × r) products and the EF update; decode: one product; plus the
-        orthogonalisation, O((n + m)·r²) (acp-sgd §IV-A)."""
+        """Encode: one (n × m)·(m × r) product on M + E, formed once, and with error feedback the
+        update's P·Qᵀ; decode: one product; plus the orthogonalisation, O((n + m)·r²) (acp-sgd
+        §IV-A)."""
         if layout == PLAIN or spec.name not in self.shapes:
             return 0.0, 0.0
         n, m, r = self.shapes[spec.name]
         product = 2.0 * n * m * r
         orthogonal = 2.0 * (n if layout == Q_STEP else m) * r * r
-        return (3 * product + orthogonal) / flops_per_second, product / flops_per_second
+        encode = product * (2 if self.error_feedback else 1)
+        return (encode + orthogonal) / flops_per_second, product / flops_per_second
 
     # -- execution ---------------------------------------------------------------------------------
     def encode(self, name: str, grad: torch.Tensor | None, step: int) -> torch.Tensor | None:
@@ -101,23 +104,27 @@ class ACPSGD(Codec):
         if like is None:
             return None  # no gradient and no error yet: this rank contributes nothing
         matrix = grad.reshape(n, m) if grad is not None else torch.zeros(n, m, dtype=like.dtype, device=like.device)
-        error = self._error(name, matrix)
-        query = self._query(name, layout, step, matrix)
-        self.query[name] = query
-        if layout == P_STEP:  # P = (M + E)·Q
-            factor = matrix @ query if error is None else torch.addmm(error @ query, matrix, query)
-            left, right = factor, query
-        else:  # Q = (M + E)ᵀ·P = (Pᵀ·(M + E))ᵀ: row-major products are the fast ones
-            transposed = query.T @ matrix if error is None else torch.addmm(query.T @ error, query.T, matrix)
-            factor = transposed.T.contiguous()
-            left, right = query, factor
+        query = self.query[name] = self._query(name, layout, step, matrix)
+        if not self.error_feedback:
+            factor = matrix @ query if layout == P_STEP else (query.T @ matrix).T.contiguous()
+            return factor.reshape(-1)
+        error = error_buffer(self.errors, name, matrix)
         # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
-        if error is not None and all_finite(factor):
-            subtract_low_rank(matrix, error, left, right)  # E ← M + E − P·Qᵀ, local factors
+        if fused_update_available(error, r):  # two products, then the Triton kernel updates E in place
+            if layout == P_STEP:
+                factor = left = torch.addmm(error @ query, matrix, query)
+                right = query
+            else:
+                factor = right = torch.addmm(query.T @ error, query.T, matrix).T.contiguous()
+                left = query
+            if all_finite(factor):
+                subtract_low_rank(matrix, error, left, right)
+            return factor.reshape(-1)
+        new_error = spare_buffer(self.spares, matrix)
+        compress = compress_p_with_error if layout == P_STEP else compress_q_with_error
+        factor = compress(matrix, error, query, new_error)
+        keep_error(self.errors, self.spares, name, new_error, accepted=all_finite(factor))
         return factor.reshape(-1)
-
-    def _error(self, name: str, matrix: torch.Tensor) -> torch.Tensor | None:
-        return error_buffer(self.errors, name, matrix) if self.error_feedback else None
 
     def _query(self, name: str, layout: str, step: int, like: torch.Tensor) -> torch.Tensor:
         """Orth(Q_prev) on P steps, Orth(P_prev) on Q steps; fresh Gaussian ones without reuse."""
@@ -151,7 +158,7 @@ class ACPSGD(Codec):
             right = self.q_prev[name] = averaged.view(m, r).clone()
             left = self.p_prev[name] = self.query[name]
         gradient = super().reduced_target(name, parameter, step).view(n, m)
-        torch.mm(left, right.T, out=gradient)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
+        write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
@@ -171,3 +178,30 @@ class ACPSGD(Codec):
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,
                 "start_iter": self.start_iter, "error_feedback": self.error_feedback, "reuse": self.reuse}
+
+
+def compress_p_with_error(matrix: torch.Tensor, error: torch.Tensor, query: torch.Tensor,
+                          new_error: torch.Tensor) -> torch.Tensor:
+    """P = (M + E)·Q and new_error = M + E − P·Qᵀ (Algorithm 2, lines 5–6) in one pass over the
+    rows: each block of M + E is formed once, in new_error, and used while it is in cache. The
+    query is column-major, so the product is BLAS's fast A·Bᵀ form."""
+    factor = matrix.new_empty(matrix.shape[0], query.shape[1])
+    for rows in row_blocks(matrix):
+        combined = torch.add(matrix[rows], error[rows], out=new_error[rows])
+        torch.mm(combined, query, out=factor[rows])
+        combined.addmm_(factor[rows], query.T, alpha=-1)
+    return factor
+
+
+def compress_q_with_error(matrix: torch.Tensor, error: torch.Tensor, query: torch.Tensor,
+                          new_error: torch.Tensor) -> torch.Tensor:
+    """Q = (M + E)ᵀ·P and new_error = M + E − P·Qᵀ (Algorithm 2, lines 10–11): M + E is formed
+    once, in new_error, and Qᵀ = Pᵀ·(M + E) summed over row blocks while each is in cache; the
+    update needs the whole Q, so it is a second pass."""
+    transposed = matrix.new_zeros(query.shape[1], matrix.shape[1])
+    for rows in row_blocks(matrix):
+        combined = torch.add(matrix[rows], error[rows], out=new_error[rows])
+        transposed.addmm_(query[rows].T, combined)
+    for rows in row_blocks(matrix):
+        new_error[rows].addmm_(query[rows], transposed, alpha=-1)
+    return transposed.T.contiguous()

@@ -31,7 +31,7 @@ from .codec import Codec
 from .gradients import all_finite, refuse_non_float
 from .orthogonalize import orthogonalize
 from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, select_matrices,
-                       subtract_low_rank)
+                       subtract_low_rank, write_low_rank)
 
 PLAIN, P_ROUND, Q_ROUND = "plain", "P", "Q"
 
@@ -178,7 +178,7 @@ class PowerSGD(Codec):
                 subtract_low_rank(matrix, error, basis, q_mean)
         self.q_prev[name] = q_mean.clone()
         gradient = super().reduced_target(name, parameter, step)  # parameter.grad, flat
-        torch.mm(basis, q_mean.T, out=gradient.view(n, m))
+        write_low_rank(gradient.view(n, m), basis, q_mean)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
