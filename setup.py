@@ -25,7 +25,7 @@ setup(
     packages=packages(),
     package_dir=FOLDERS,
     package_data={"": ["*.yaml"]},  # every package ships its YAML (Hydra config groups are packages)
-    install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml", "scikit-learn",
+    install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml", "scikit-learn", "highspy>=1.7",
                       "pytorch-lightning>=2.4", "hydra-core>=1.3", "wandb"],
     extras_require={
         "triton": ["triton==3.9.0"],

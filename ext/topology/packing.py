@@ -1,6 +1,6 @@
 """Reduce/broadcast forest packing: problems (4) and (8) of the paper solved by column generation.
 
-Master LP (scipy's HiGHS), over the trees generated so far:
+Master LP (HiGHS, through its highspy bindings), over the trees generated so far:
 
 - Problem (4) (`problem="separate"`): maximise Σ_v χ_v subject to, for every active root v,
   Σ_{reduce trees at v} w = χ_v (4a) and Σ_{broadcast trees at v} w = χ_v (4b); for every link e,
@@ -38,10 +38,7 @@ from scipy.optimize import linprog
 from scipy.sparse import coo_matrix, csr_matrix
 from scipy.sparse.csgraph import shortest_path
 
-try:  # incremental HiGHS: the highspy package, else the same bindings scipy ships for linprog(method="highs")
-    from highspy import Highs as _Highs, HighsModelStatus as _ModelStatus
-except ImportError:
-    from scipy.optimize._highspy._core import HighsModelStatus as _ModelStatus, _Highs
+from highspy import Highs as _Highs, HighsModelStatus as _ModelStatus  # HiGHS, re-solved as columns arrive
 
 from ..errors import ConfigError
 from .arborescence import min_out_arborescence
