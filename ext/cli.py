@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import compress, planners
-from .compress.planning import LayoutPlan, plan_layouts, predict_step
+from .compress.planning import LayoutPlan, predict_cycle
 from .cost import PRESETS, CostModel
 from .errors import ConfigError
 from .profile import ModelProfile, zoo, zoo_names
@@ -118,9 +118,8 @@ def _predict(args, profile: ModelProfile, cost: CostModel, scheduler: str, optio
     if not args.profile:
         device = resolve_device(args.device)
         flops = device.peak_flops * device.efficiency
-    layout_plans = plan_layouts(profile, cost, scheduler, codec, options, flops)
+    layout_plans, step_time = predict_cycle(profile, cost, scheduler, codec, options, flops)
     cycle = codec.steady_rounds()
-    step_time = sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
     allreduces = sum(len(layout_plans[layout].plan.ops) for rounds in cycle for layout in rounds) / len(cycle)
     return Prediction(scheduler, layout_plans, step_time, allreduces, profile.forward_time + profile.backward_time)
 

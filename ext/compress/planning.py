@@ -62,3 +62,12 @@ def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], c
                                                       for l in later.wire.layers))
         clock += simulate(later.plan, at_once, cost).comm_end
     return clock + layout_plans[rounds[-1]].wire.forward_time
+
+
+def predict_cycle(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,
+                  flops_per_second: float | None = None) -> tuple[dict[str, LayoutPlan], float]:
+    """The plans of every layout and the mean predicted step time over the codec's steady cycle
+    (e.g. ACP-SGD's P step and Q step). `codec` must be set up on the profile's tensors."""
+    layout_plans = plan_layouts(profile, cost, scheduler, codec, options, flops_per_second)
+    cycle = codec.steady_rounds()
+    return layout_plans, sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
