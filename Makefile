@@ -30,6 +30,10 @@ bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/compression_speed.py
 	$(PY) benchmarks/convergence_digits.py > /dev/null && echo "wrote benchmarks/results/convergence_digits.md"
+	$(PY) benchmarks/reproduce_compression.py > /dev/null && echo "wrote benchmarks/results/reproduce_compression.md"
+	$(PY) benchmarks/forest_allreduce.py
+	$(PY) benchmarks/forest_netbed.py
+	$(PY) -m benchmarks.head_to_head
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -52,3 +52,19 @@ def synthetic_profile(model: nn.Module):
 
 
 COST = CostModel(1e-3, 1e-7, gamma=1.3)
+
+
+class AttentionNet(nn.Module):
+    """Self-attention whose output projection's own forward never runs: nn.MultiheadAttention reads
+    `out_proj.weight` directly, so a deferred update gated on out_proj's forward would come late."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x, _ = self.attention(x, x, x, need_weights=False)
+        return self.head(x.mean(1))

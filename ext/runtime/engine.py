@@ -1,7 +1,9 @@
 """GradSync: attaches a plan's execution to a model with hooks, and steps the optimizer.
 
 Lifecycle of one iteration:
-1. forward: a module with deferred parameters first waits for their ops and applies their update;
+1. forward: a module with deferred parameters first waits for their ops and applies their update
+   (modules whose own forward did not run in a forward pass, e.g. nn.MultiheadAttention's
+   out_proj whose weight its parent reads directly, are updated when the model's forward starts);
 2. backward: each parameter's post-accumulate-grad hook marks it ready; ops launch in plan order
    per channel as their slices become ready; when the backward pass ends, the remaining
    (forward-phase) ops launch;
@@ -80,6 +82,8 @@ class GradSync:
         self.measurement = None
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
+        self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
+        self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
         self.layer_subsets: dict[str, ParameterSubset] = {}
         self.iteration_started = time.perf_counter()
         self.comm_wait = 0.0
@@ -147,6 +151,7 @@ class GradSync:
         return hook
 
     def _begin_backward(self) -> None:
+        self.silent.update(m for m in self.layout.owners if m not in self.ran_forward)
         self.flush_deferred()
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
@@ -169,6 +174,9 @@ class GradSync:
             self.executor.end_backward()
 
     def _root_pre_forward(self, _module, _inputs) -> None:
+        self.ran_forward.clear()
+        for module_name in [m for m in self.pending if m in self.silent]:
+            self._apply_deferred(module_name)
         if self.broadcast_buffers:
             buffers = [b for b in self.model.buffers() if b.numel()]
             if buffers:
@@ -178,6 +186,7 @@ class GradSync:
 
     def _pre_forward_for(self, module_name: str):
         def pre_forward(_module, _inputs):
+            self.ran_forward.add(module_name)
             if module_name in self.pending:
                 self._apply_deferred(module_name)
             if self.measurement is not None:

@@ -1,0 +1,498 @@
+"""Head-to-head: torch DDP, its PowerSGD hook and gradsync's plans on an emulated cluster.
+
+Each setting (model × ranks × network) runs as one job on the netbed (one rank per network
+namespace, `tc`-shaped links): every rank holds one copy of the model per row, plus a copy trained
+without communication (the compute-only reference). Rows run interleaved in blocks — A A B B … A A
+B B — after warm-up rounds that cover gradsync's profile measurement, DDP's bucket rebuild and the
+compressors' uncompressed start; each block starts after a barrier, and gradsync's last deferred
+updates are applied inside the block, so plans that overlap the next forward pass keep that
+overlap within the block and never borrow another row's time. A block's time is its slowest
+rank's. One all-reduce cost model is measured per job and given to every gradsync row.
+`--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
+
+    .venv/bin/python -m benchmarks.head_to_head              # every setting (about 13 minutes)
+    .venv/bin/python -m benchmarks.head_to_head --quick      # CNN, 2 ranks, 1 Gbit/s, four rows
+    .venv/bin/python -m benchmarks.head_to_head --models transformer --world-sizes 2 --rates 1gbit \\
+        --rows ddp ddp_powersgd acp_sgd
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+
+import gradsync
+from gradsync.launch import RankFailed
+from gradsync.runtime import attached
+from gradsync.runtime.channels import Channels
+from gradsync.runtime.measure import measure_cost
+from gradsync.topology import load, preset
+
+from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, from_topology, launch, netbed, uniform
+from benchmarks.overhead import small_cnn
+
+LOW_RANK = 4  # PowerSGD's r, equal for the torch hook and gradsync's powersgd and acp_sgd
+START_ITER = 2  # uncompressed steps before compression (the least the torch hook allows with error feedback)
+LEARNING_RATE = 0.01
+ONE_BUCKET_MB = 1024  # larger than any model here
+COMPUTE_ONLY = "compute only"
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and one rank's synthetic batch of `batch` samples."""
+
+    description: str
+    batch: int
+    build_model: Callable[[], nn.Module]
+    make_inputs: Callable[[int, torch.Generator], torch.Tensor]
+
+
+class Block(nn.Module):
+    """A pre-norm encoder block whose four attention projections and two MLP matrices are
+    nn.Linear modules of their own (as in BERT or GPT-2 code): every parameter's module runs."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.query, self.key, self.value, self.out = (nn.Linear(width, width) for _ in range(4))
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        q, k, v = (self.split(projection(h)) for projection in (self.query, self.key, self.value))
+        attention = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        x = x + self.out(attention)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+
+class Transformer(nn.Module):
+    """3 blocks of width 512 over 256 token ids, mean-pooled into 10 classes: large matrices
+    (38 MB of gradients in 51 tensors)."""
+
+    def __init__(self, width: int = 512, layers: int = 3, heads: int = 8, vocab: int = 256, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)).mean(dim=1))
+
+
+def images(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch, 3, 32, 32, generator=generator)
+
+
+def tokens(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, 32), generator=generator)
+
+
+# overhead.py's CNN has 26 small tensors (4.7 MB)
+WORKLOADS = {"cnn": Workload("CNN (small tensors)", 4, small_cnn, images),
+             "transformer": Workload("transformer (large matrices)", 4, Transformer, tokens)}
+
+
+@dataclass(frozen=True)
+class Row:
+    """A torch DDP row (no `scheduler`) or a gradsync row (planner `scheduler`, optional compressor)."""
+
+    label: str
+    scheduler: str | None = None
+    compressor: dict | None = None
+    powersgd_hook: bool = False
+
+    @property
+    def is_gradsync(self) -> bool:
+        return self.scheduler is not None
+
+
+def low_rank(name: str) -> dict:
+    return {"type": name, "rank": LOW_RANK, "start_iter": START_ITER}
+
+
+PLANNER_ROWS = {"wfbp": "wfbp", "ddp_buckets": "ddp", "mg_wfbp": "mg_wfbp", "optimal_merge": "optimal_merge",
+                "asc_wfbp": "asc_wfbp", "bytescheduler": "bytescheduler", "us_byte": "us_byte", "auto": "auto"}
+ROWS = {
+    "ddp": Row("torch DDP"),
+    "ddp_powersgd": Row("torch DDP + PowerSGD hook", powersgd_hook=True),
+    **{key: Row(f"gradsync {key}", scheduler=planner) for key, planner in PLANNER_ROWS.items()},
+    "powersgd": Row("gradsync powersgd", scheduler="auto", compressor=low_rank("powersgd")),
+    "acp_sgd": Row("gradsync acp_sgd", scheduler="auto", compressor=low_rank("acp_sgd")),
+}
+QUICK_ROWS = ("ddp", "ddp_powersgd", "mg_wfbp", "acp_sgd")
+
+
+# -- rank side -------------------------------------------------------------------------------------
+@dataclass
+class Variant:
+    """One row's model and optimizer on this rank, and its measurements per timed block."""
+
+    label: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    gradsync: bool
+    seconds: list[float] = field(default_factory=list)
+    comm_wait: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.optimizer.zero_grad()
+        F.cross_entropy(self.model(inputs), labels).backward()
+        self.optimizer.step()
+
+    def block(self, inputs: torch.Tensor, labels: torch.Tensor, iterations: int, timed: bool) -> None:
+        """`iterations` steps after a barrier; gradsync's deferred updates are applied before the clock stops."""
+        dist.barrier()
+        started = time.perf_counter()
+        try:
+            for _ in range(iterations):
+                self.step(inputs, labels)
+        except Exception as failure:
+            failure.add_note(f"in row {self.label!r}")
+            raise
+        settled = self.settle()
+        elapsed = time.perf_counter() - started
+        if timed:
+            self.seconds.append(elapsed / iterations)
+            if self.gradsync:
+                recent = attached(self.model).history[-iterations:]
+                self.comm_wait.append((sum(s.comm_wait for s in recent) + settled) / iterations)
+                self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
+
+    def settle(self) -> float:
+        """Seconds spent waiting for gradsync's outstanding ops and applying deferred updates."""
+        if not self.gradsync:
+            return 0.0
+        started = time.perf_counter()
+        attached(self.model).flush()
+        return time.perf_counter() - started
+
+    def report(self) -> dict:
+        report = {"seconds": self.seconds, "comm_wait": self.comm_wait, "predicted": self.predicted}
+        if self.gradsync:
+            report["plan"] = attached(self.model).plan.options.get("chosen")  # what `auto` picked
+        return report
+
+
+def make_variant(row: Row, base: nn.Module, cost) -> Variant:
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    if row.is_gradsync:
+        model, optimizer = gradsync.wrap(model, optimizer, scheduler=row.scheduler, compressor=row.compressor,
+                                         cost=cost)
+        return Variant(row.label, model, optimizer, gradsync=True)
+    if not row.powersgd_hook:
+        return Variant(row.label, nn.parallel.DistributedDataParallel(model), optimizer, gradsync=False)
+    # One bucket (an explicit cap sets the first bucket's too): on gloo the hook launches its Q
+    # all-reduce from a completion callback's thread, which races with the next bucket's P
+    # all-reduce and mismatches the collectives' order across ranks.
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ONE_BUCKET_MB)
+    state = PowerSGDState(process_group=None, matrix_approximation_rank=LOW_RANK, start_powerSGD_iter=START_ITER)
+    ddp.register_comm_hook(state, powerSGD_hook)
+    return Variant(row.label, ddp, optimizer, gradsync=False)
+
+
+def shared_cost(model: nn.Module):
+    """The all-reduce cost (a, b, γ) fitted once on this job's network, as gradsync.wrap would fit it."""
+    channels = Channels(2)
+    try:
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return measure_cost(channels, gradient_bytes)
+    finally:
+        channels.destroy()
+
+
+def rank_main(rank: int, world_size: int, job: dict) -> dict:
+    """One rank of a setting: every row interleaved in blocks; per row, its timed blocks."""
+    torch.manual_seed(0)
+    workload = WORKLOADS[job["model"]]
+    base = workload.build_model()
+    cost = shared_cost(base)
+    compute_only = copy.deepcopy(base)
+    variants = [Variant(COMPUTE_ONLY, compute_only, torch.optim.SGD(compute_only.parameters(), lr=LEARNING_RATE),
+                        gradsync=False)]
+    variants += [make_variant(ROWS[key], base, cost) for key in job["rows"]]
+    generator = torch.Generator().manual_seed(rank)
+    inputs, labels = workload.make_inputs(workload.batch, generator), torch.randint(0, 10, (workload.batch,), generator=generator)
+    for round_index in range(job["warmup_rounds"] + job["rounds"]):
+        for variant in variants:
+            variant.block(inputs, labels, job["block"], timed=round_index >= job["warmup_rounds"])
+    reports = {variant.label: variant.report() for variant in variants}
+    for variant in variants:
+        if variant.gradsync:
+            attached(variant.model).detach()
+    return {"rows": reports, "cost": cost.to_dict()}
+
+
+# -- summary ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    model: str
+    world_size: int
+    network: str  # a rate preset (1gbit, 10gbit), Gbit/s, or "topology <name>"
+
+    @property
+    def title(self) -> str:
+        return f"{WORKLOADS[self.model].description}, {self.world_size} ranks, {self.network}"
+
+
+@dataclass(frozen=True)
+class RowResult:
+    label: str
+    seconds: float
+    comm: float | None  # non-overlapped communication
+    predicted: float | None
+    plan: str | None
+
+    @property
+    def error(self) -> float | None:
+        return None if self.predicted is None else (self.predicted - self.seconds) / self.seconds
+
+
+def summarise(reports: list[dict]) -> dict[str, RowResult]:
+    """Per row: the median over blocks of the slowest rank's block time; gradsync's communication
+    wait and prediction as medians of the ranks' means; torch rows' communication is their time
+    beyond the compute-only reference."""
+    labels = list(reports[0]["rows"])
+    blocks = len(reports[0]["rows"][labels[0]]["seconds"])
+
+    def median_over_blocks(label: str, key: str, combine) -> float:
+        return statistics.median(combine([r["rows"][label][key][b] for r in reports]) for b in range(blocks))
+
+    compute = median_over_blocks(COMPUTE_ONLY, "seconds", max)
+    results = {}
+    for label in labels:
+        row = reports[0]["rows"][label]
+        seconds = median_over_blocks(label, "seconds", max)
+        if row["comm_wait"]:
+            comm, predicted = (median_over_blocks(label, "comm_wait", statistics.fmean),
+                               median_over_blocks(label, "predicted", statistics.fmean))
+        else:
+            comm, predicted = (None if label == COMPUTE_ONLY else max(0.0, seconds - compute)), None
+        results[label] = RowResult(label, seconds, comm, predicted, row.get("plan"))
+    return results
+
+
+def speedup(results: dict[str, RowResult], label: str, baseline: str = ROWS["ddp"].label) -> float | None:
+    if baseline not in results or label not in results:
+        return None
+    return results[baseline].seconds / results[label].seconds
+
+
+def cost_line(cost: dict, world_size: int) -> str:
+    """The fitted all-reduce cost, with b read as a ring's per-link bandwidth (2(N−1)/N bytes per byte)."""
+    link_gbps = 2 * (world_size - 1) / world_size * 8 / cost["b"] / 1e9
+    return f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link, γ = {cost['gamma']:.2f}"
+
+
+def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:
+    lines = ["| row | median ms | speed-up vs torch DDP | non-overlapped comm ms | predicted ms | error |",
+             "|---|---|---|---|---|---|"]
+    for label, row in results.items():
+        ratio = speedup(results, label)
+        name = f"{label} (→ {row.plan})" if row.plan else label
+        lines.append("| " + " | ".join([
+            name, f"{row.seconds * 1e3:.1f}", "—" if ratio is None else f"{ratio:.2f}×",
+            "—" if row.comm is None else f"{row.comm * 1e3:.1f}",
+            "—" if row.predicted is None else f"{row.predicted * 1e3:.1f}",
+            "—" if row.error is None else f"{row.error:+.1%}"]) + " |")
+    return lines
+
+
+def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
+    """The project's four targets, each with its measured value and verdict."""
+    lines = []
+
+    def verdict(value, goal, at_least=True) -> str:
+        if value is None:
+            return "not measured in this run"
+        reached = value >= goal if at_least else value <= goal
+        return "reached" if reached else "NOT reached"
+
+    plan_rows = [ROWS[key].label for key in PLANNER_ROWS]
+    for setting, results in summaries.items():
+        if setting.model == "cnn" and setting.network == "1gbit":
+            ratios = {label: speedup(results, label) for label in plan_rows if label in results}
+            ratios = {k: v for k, v in ratios.items() if v is not None}
+            best = max(ratios, key=ratios.get) if ratios else None
+            value = ratios.get(best)
+            lines.append(f"- CNN, {setting.world_size} ranks, 1 Gbit/s: best non-compressing plan "
+                         f"({best}) {value or 0:.2f}× torch DDP (target ≥ 1.15×): {verdict(value, 1.15)}")
+        if setting.model == "transformer" and setting.network == "1gbit":
+            acp = ROWS["acp_sgd"].label
+            vs_ddp = speedup(results, acp)
+            vs_hook = speedup(results, acp, ROWS["ddp_powersgd"].label)
+            lines.append(f"- transformer, {setting.world_size} ranks, 1 Gbit/s: acp_sgd {vs_ddp or 0:.2f}× torch DDP "
+                         f"(target ≥ 3×): {verdict(vs_ddp, 3.0)}; {vs_hook or 0:.2f}× the PowerSGD hook "
+                         f"(target ≥ 1.3×): {verdict(vs_hook, 1.3)}")
+    errors = [abs(r.error) for results in summaries.values() for r in results.values() if r.error is not None]
+    median_error = statistics.median(errors) if errors else None
+    lines.append(f"- simulator error, median |error| over {len(errors)} gradsync rows: "
+                 f"{(median_error or 0):.1%} (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}")
+    overheads = [(setting, results[ROWS["ddp_buckets"].label].seconds / results[ROWS["ddp"].label].seconds - 1)
+                 for setting, results in summaries.items()
+                 if ROWS["ddp_buckets"].label in results and ROWS["ddp"].label in results]
+    if overheads:
+        median_overhead = statistics.median(o for _, o in overheads)
+        detail = ", ".join(f"{s.model}/{s.world_size}/{s.network} {o:+.1%}" for s, o in overheads)
+        lines.append(f"- runtime overhead (gradsync ddp_buckets vs torch DDP: same buckets), median "
+                     f"{median_overhead:+.1%} (target ≤ +2%): {verdict(median_overhead, 0.02, at_least=False)}; "
+                     f"per setting: {detail}")
+    return lines
+
+
+NOTES = [
+    "Median iteration time over the timed blocks (each block's time is its slowest rank's); speed-up ="
+    " torch DDP's time / the row's time. Non-overlapped communication: gradsync's measured wait on"
+    " communication (IterationStats.comm_wait, plus the wait for deferred ops at the block's end); for"
+    " torch rows, the row's time minus the compute-only time (forward, backward and step without"
+    " communication, measured in the same interleaved loop). Predicted: the simulator's iteration time"
+    " for the plan the row ran (from its measured profile and the job's fitted cost); error = (predicted −"
+    " measured) / measured. `→` names the planner `auto` chose.",
+    f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"
+    " PowerSGD hook and gradsync's powersgd and acp_sgd alike; plain SGD (lr 0.01) everywhere. The PowerSGD"
+    " hook row runs DDP with one bucket: on gloo the hook's second all-reduce is launched from a callback"
+    " thread and, with several buckets, races with the next bucket's first one (collective mismatch).",
+]
+
+
+def markdown(command: str, summaries: dict[Setting, dict[str, RowResult]], costs: dict[Setting, str],
+             failures: dict[Setting, str], environment: str) -> str:
+    lines = ["# Head-to-head on the emulated cluster", "", f"Command: `{command}`", "", environment, "",
+             *NOTES, "", "## Targets", "", *targets(summaries), ""]
+    for setting in [*summaries, *failures]:
+        lines += [f"## {setting.title}", ""]
+        if setting in failures:
+            lines += [f"Failed: {failures[setting]}", ""]
+            continue
+        lines += [costs[setting], "", *setting_table(setting, summaries[setting]), ""]
+    return "\n".join(lines)
+
+
+def chart(summaries: dict[Setting, dict[str, RowResult]], path: Path) -> None:
+    """One panel per setting: each row's speed-up over torch DDP (bars), 1× marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(4, len(summaries))
+    rows = -(-len(summaries) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 4.5 * rows), squeeze=False)
+    for axis in axes.flat[len(summaries):]:
+        axis.set_visible(False)
+    for axis, (setting, results) in zip(axes.flat, summaries.items()):
+        labels = [label for label in results if label != COMPUTE_ONLY]
+        values = [speedup(results, label) or 0.0 for label in labels]
+        colors = ["#C44E52" if label.startswith("torch") else "#4C72B0" for label in labels]
+        axis.barh(range(len(labels)), values, color=colors)
+        axis.axvline(1.0, color="black", linewidth=0.8)
+        axis.set_yticks(range(len(labels)))
+        axis.set_yticklabels([label.replace("gradsync ", "") for label in labels], fontsize="small")
+        axis.invert_yaxis()
+        axis.set_title(setting.title.replace(", ", "\n", 1), fontsize="small")
+        axis.set_xlabel("speed-up vs torch DDP")
+        for position, value in enumerate(values):
+            axis.text(value, position, f" {value:.2f}", va="center", fontsize="x-small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+
+
+# -- driver ----------------------------------------------------------------------------------------
+def network_specs(args) -> list[tuple[str, int, object]]:
+    """(network name, world size, NetSpec) for every network of the run."""
+    if args.topology:
+        topology = load(args.topology) if Path(args.topology).exists() else preset(args.topology, args.inter_gbps)
+        spec = from_topology(topology)
+        return [(f"topology {topology.name}", spec.hosts, spec)]
+    return [(rate, world_size, uniform(world_size, rate if rate in RATE_PRESETS else float(rate)))
+            for world_size in args.world_sizes for rate in args.rates]
+
+
+def run_settings(args) -> tuple[dict, dict, dict]:
+    job = {"rows": args.rows, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "block": args.block}
+    summaries, costs, failures = {}, {}, {}
+    for network, world_size, spec in network_specs(args):
+        with netbed(spec):
+            for model in args.models:
+                setting = Setting(model, world_size, network)
+                print(f"running: {setting.title}", flush=True)
+                started = time.perf_counter()
+                try:
+                    reports = launch("benchmarks.head_to_head:rank_main", world_size, {**job, "model": model},
+                                     timeout=args.timeout)
+                except RankFailed as failure:
+                    failures[setting] = " / ".join(line[:300] for line in str(failure).splitlines()
+                                                   if line.startswith("rank "))
+                    print(f"  failed: {failures[setting]}", flush=True)
+                    continue
+                summaries[setting] = summarise(reports)
+                costs[setting] = cost_line(reports[0]["cost"], world_size)
+                print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
+    return summaries, costs, failures
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(prog="python -m benchmarks.head_to_head", description=__doc__.splitlines()[0])
+    cli.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    cli.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
+    cli.add_argument("--rates", nargs="+", default=list(RATE_PRESETS), help="NIC rates: 1gbit, 10gbit or Gbit/s")
+    cli.add_argument("--topology", help="a gradsync topology preset or file: per-pair rates instead of --rates")
+    cli.add_argument("--inter-gbps", type=float, default=1.0, help="inter-machine Gbit/s of a cluster preset")
+    cli.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    cli.add_argument("--rounds", type=int, default=6, help="timed rounds (one block per row each)")
+    cli.add_argument("--warmup-rounds", type=int, default=3, help="untimed rounds first")
+    cli.add_argument("--block", type=int, default=2, help="iterations per block")
+    cli.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its ranks are killed")
+    cli.add_argument("--quick", action="store_true", help="CNN, 2 ranks, 1 Gbit/s, rows " + ", ".join(QUICK_ROWS))
+    cli.add_argument("--out", type=Path, default=RESULTS / "head_to_head.md", help="markdown; the PNG goes beside it")
+    return cli
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.models, args.world_sizes, args.rates, args.rows, args.rounds = ["cnn"], [2], ["1gbit"], list(QUICK_ROWS), 3
+    if "ddp" not in args.rows:
+        args.rows = ["ddp", *args.rows]  # every ratio is to torch DDP
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    try:
+        summaries, costs, failures = run_settings(args)
+    except NetbedUnavailable as missing:
+        sys.exit(f"head_to_head: {missing}")
+    environment = (f"{os.cpu_count()} CPU cores, shared by the ranks (one thread each) and by any other work on the"
+                   f" machine (1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after);"
+                   f" gloo over veth pairs and a bridge, tc-shaped; {args.warmup_rounds} warm-up and"
+                   f" {args.rounds} timed rounds of {args.block}-iteration blocks; total"
+                   f" {time.perf_counter() - started:.0f} s.")
+    command = " ".join(["python -m benchmarks.head_to_head", *(sys.argv[1:] if argv is None else argv)])
+    report = markdown(command, summaries, costs, failures, environment)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report + "\n")
+    if summaries:
+        chart(summaries, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}\n")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What the emulated cluster looks like: hosts, their names and addresses, and their link rates.
+
+Host i lives in network namespace ``gsnet-<i>`` with interface ``gsnet-<i>-ns`` at 192.0.2.<i+1>/24;
+its veth peer ``gsnet-<i>-br`` joins the bridge ``gsnet-br`` in the root namespace. A uniform spec
+gives every host a NIC of `gbps` in each direction (full duplex on a non-blocking switch); a pair
+spec gives a rate for every ordered pair (host i → host j), for heterogeneous topologies.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradsync import ConfigError
+from gradsync.topology import Topology
+
+PREFIX = "gsnet-"
+BRIDGE = "gsnet-br"
+SUBNET = "192.0.2"
+MIN_HOSTS, MAX_HOSTS = 2, 8
+RATE_PRESETS = {"1gbit": 1.0, "10gbit": 10.0}
+MIN_GBPS = 0.001  # 1 Mbit/s: below this tc's rate tables lose precision
+QUEUE_LATENCY_MS = 20  # tbf's queue: 20 ms of traffic at the rate, beyond the burst
+
+
+def namespace(host: int) -> str:
+    return f"{PREFIX}{host}"
+
+
+def inner_interface(host: int) -> str:
+    """The host's interface, inside its namespace: the one gloo binds to (GLOO_SOCKET_IFNAME)."""
+    return f"{PREFIX}{host}-ns"
+
+
+def bridge_port(host: int) -> str:
+    """The host's veth peer in the root namespace, a port of the bridge."""
+    return f"{PREFIX}{host}-br"
+
+
+def address(host: int) -> str:
+    return f"{SUBNET}.{host + 1}"
+
+
+def is_own_namespace(name: str) -> bool:
+    return re.fullmatch(rf"{PREFIX}\d+", name) is not None
+
+
+def is_own_link(name: str) -> bool:
+    return name == BRIDGE or re.fullmatch(rf"{PREFIX}\d+-br", name) is not None
+
+
+def kbit(gbps: float) -> str:
+    """A rate in tc's syntax, in kbit/s so that fractional Gbit/s stay exact."""
+    return f"{round(gbps * 1e6)}kbit"
+
+
+def burst_bytes(gbps: float) -> int:
+    """Token-bucket depth: one millisecond at the rate (so the kernel timer can keep the rate up),
+    and at least two 64 KiB segmentation-offload packets (smaller would split every such packet)."""
+    return max(128 * 1024, round(gbps * 1e9 / 8 * 1e-3))
+
+
+@dataclass(frozen=True)
+class NetSpec:
+    """`hosts` namespaces; either one NIC rate `gbps` for all, or `pair_gbps[i][j]` for i → j."""
+
+    hosts: int
+    gbps: float | None = None
+    pair_gbps: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or not MIN_HOSTS <= self.hosts <= MAX_HOSTS:
+            raise ConfigError(f"netbed 'hosts' must be an integer from {MIN_HOSTS} to {MAX_HOSTS}, got {self.hosts!r}")
+        if (self.gbps is None) == (self.pair_gbps is None):
+            raise ConfigError("netbed: give exactly one of 'gbps' (every host's NIC) or 'pair_gbps' (a rate per pair)")
+        if self.gbps is not None:
+            _check_rate("gbps", self.gbps)
+        else:
+            _check_pairs(self.pair_gbps, self.hosts)
+
+    @property
+    def heterogeneous(self) -> bool:
+        return self.pair_gbps is not None
+
+    def describe(self) -> str:
+        if not self.heterogeneous:
+            return f"{self.hosts} hosts, {self.gbps:g} Gbit/s NICs"
+        rates = sorted({rate for i, row in enumerate(self.pair_gbps) for j, rate in enumerate(row) if i != j})
+        return f"{self.hosts} hosts, per-pair rates {', '.join(f'{r:g}' for r in rates)} Gbit/s"
+
+
+def uniform(hosts: int, rate: float | str) -> NetSpec:
+    """Every host with one NIC of `rate` (Gbit/s, or a preset name: 1gbit, 10gbit) each way."""
+    if isinstance(rate, str):
+        if rate not in RATE_PRESETS:
+            raise ConfigError(f"netbed rate: unknown preset {rate!r}; valid: {', '.join(RATE_PRESETS)}")
+        rate = RATE_PRESETS[rate]
+    return NetSpec(hosts, gbps=float(rate))
+
+
+def from_matrix(matrix) -> NetSpec:
+    """Per-pair rates from a square matrix of Gbit/s (row = sender, column = receiver). A pair
+    without a direct link (0) gets the rate of its widest path through the other hosts."""
+    array = np.asarray(matrix, dtype=float)
+    if array.ndim != 2 or array.shape[0] != array.shape[1]:
+        raise ConfigError(f"netbed matrix: must be square (one row and column per host), got shape {array.shape}")
+    if (array < 0).any() or not np.isfinite(array).all():
+        raise ConfigError("netbed matrix: rates must be finite and >= 0 Gbit/s")
+    widest = widest_paths(array)
+    hosts = array.shape[0]
+    for i, j in zip(*np.nonzero(widest == 0)):
+        if i != j:
+            raise ConfigError(f"netbed matrix: no path from host {i} to host {j}; every host must reach every other")
+    return NetSpec(hosts, pair_gbps=tuple(tuple(float(widest[i, j]) if i != j else 0.0 for j in range(hosts))
+                                          for i in range(hosts)))
+
+
+def from_topology(topology: Topology) -> NetSpec:
+    """Per-pair rates for a topology whose workers map to hosts in order; paths through relays
+    (switches) and other workers count at their bottleneck rate. Per-pair limits cannot model two
+    paths sharing a relayed link: the emulation is exact for topologies of direct links."""
+    widest = widest_paths(topology.capacity)
+    workers = len(topology.workers)
+    return from_matrix(widest[:workers, :workers])
+
+
+def widest_paths(capacity: np.ndarray) -> np.ndarray:
+    """Bottleneck capacity of the widest path between every pair (max-min Floyd–Warshall)."""
+    widest = np.array(capacity, dtype=float)
+    for middle in range(len(widest)):
+        through = np.minimum(widest[:, middle, None], widest[None, middle, :])
+        widest = np.maximum(widest, through)
+    return widest
+
+
+def _check_rate(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= MIN_GBPS:
+        raise ConfigError(f"netbed {field!r} must be a number of Gbit/s >= {MIN_GBPS}, got {value!r}")
+
+
+def _check_pairs(pairs, hosts: int) -> None:
+    if len(pairs) != hosts or any(len(row) != hosts for row in pairs):
+        raise ConfigError(f"netbed 'pair_gbps' must be {hosts}x{hosts} (one row and column per host)")
+    for i, row in enumerate(pairs):
+        for j, rate in enumerate(row):
+            if i != j:
+                _check_rate(f"pair_gbps[{i}][{j}]", rate)
