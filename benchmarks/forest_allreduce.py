@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from gradsync.topology import complete
 from gradsync.topology.allreduce import DEFAULT_SUB_CHUNK_BYTES, ForestAllReduce
 
 TARGET = 1.3
+OUT = Path(__file__).parent / "results" / "forest_allreduce.md"
 
 
 def worker(rank: int, world_size: int, sizes_mb: list[float], iterations: int, warmup: int, sub_chunk_bytes: int):
@@ -53,13 +56,17 @@ def main() -> None:
     parser.add_argument("--sub-chunk-kb", type=int, default=DEFAULT_SUB_CHUNK_BYTES >> 10)
     args = parser.parse_args()
     results = run_local(worker, args.ranks, args.sizes_mb, args.iterations, args.warmup, args.sub_chunk_kb << 10)[0]
-    print(f"{args.ranks} local ranks, complete-{args.ranks} topology, sub-chunks of {args.sub_chunk_kb} KiB, "
-          f"median of {args.iterations} interleaved runs (slowest rank)")
-    print(f"{'size':>8} {'gloo (ms)':>10} {'forest (ms)':>12} {'forest/gloo':>12}")
+    lines = [f"{args.ranks} local ranks, complete-{args.ranks} topology, sub-chunks of {args.sub_chunk_kb} KiB, "
+             f"median of {args.iterations} interleaved runs (slowest rank)", "",
+             "| size | gloo ms | forest ms | forest / gloo |", "|---|---|---|---|"]
     for size_mb, times in results.items():
         ratio = times["forest"] / times["gloo"]
-        print(f"{size_mb:>6g}MB {times['gloo'] * 1e3:>10.1f} {times['forest'] * 1e3:>12.1f} {ratio:>12.2f}"
-              + (f"   (target ≤ {TARGET})" if size_mb == 64 else ""))
+        lines.append(f"| {size_mb:g} MB | {times['gloo'] * 1e3:.1f} | {times['forest'] * 1e3:.1f} | {ratio:.2f}"
+                     + (f" (target ≤ {TARGET}) |" if size_mb == 64 else " |"))
+    print("\n".join(lines))
+    command = " ".join([".venv/bin/python", "benchmarks/forest_allreduce.py", *sys.argv[1:]])
+    OUT.write_text("\n".join(["# Forest all-reduce against gloo on local ranks", "", f"`{command}`: " + lines[0],
+                               *lines[1:], ""]))
 
 
 if __name__ == "__main__":

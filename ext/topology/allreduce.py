@@ -220,6 +220,7 @@ class ForestAllReduce:
                                 "give every rank the same topology file and active ranks", process_group)
         self.packing = _shared_packing(topology, names, problem, packing, process_group)
         self._schedules: dict[tuple[int, int], list[Step]] = {}
+        self._scratch: dict[tuple, torch.Tensor] = {}  # receive space for partial sums and relayed data
         self._thread: ThreadPoolExecutor | None = None
 
     @property
@@ -255,14 +256,25 @@ class ForestAllReduce:
             self._schedules[key] = [step for step in schedule if step.rank == self.rank]
         return self._schedules[key]
 
+    def _scratch_for(self, flat: torch.Tensor, steps: list[Step]) -> torch.Tensor:
+        """One buffer per buffer size, dtype and device, kept between calls (fresh memory would be
+        paged in on every all-reduce): room for every receive that does not land in the tensor."""
+        key = (flat.numel(), flat.dtype, flat.device)
+        if key not in self._scratch:
+            size = sum((step.stop - step.start) * len(step.receive) for step in steps if not _lands_in_place(step))
+            self._scratch[key] = flat.new_empty(size)
+        return self._scratch[key]
+
     def _run(self, flat: torch.Tensor) -> None:
         steps = self._my_steps(flat.numel(), flat.element_size())
         group = self.process_group
-        incoming = {}
+        scratch, used, incoming = self._scratch_for(flat, steps), 0, {}
         for step in steps:
             for peer, tag in step.receive:
-                in_place = step.kind != REDUCE and step.holds
-                buffer = flat[step.start:step.stop] if in_place else flat.new_empty(step.stop - step.start)
+                if _lands_in_place(step):
+                    buffer = flat[step.start:step.stop]
+                else:
+                    buffer, used = scratch[used:used + step.stop - step.start], used + step.stop - step.start
                 incoming[tag] = (dist.irecv(buffer, group=group, group_src=peer, tag=tag), buffer)
         outgoing = []
         for step in steps:
@@ -278,6 +290,11 @@ class ForestAllReduce:
             outgoing += [dist.isend(payload, group=group, group_dst=peer, tag=tag) for peer, tag in step.send]
         for work in outgoing:
             work.wait()
+
+
+def _lands_in_place(step: Step) -> bool:
+    """An active rank receives broadcast data straight into its tensor."""
+    return step.kind != REDUCE and step.holds
 
 
 def _received(incoming: dict, tag: int) -> torch.Tensor:
