@@ -228,8 +228,12 @@ class ForestAllReduce:
         return tuple(self.topology.workers.index(name) for name in self.packing.active)
 
     def predicted_time(self, nbytes: int) -> float:
-        """Seconds for one all-reduce of `nbytes` on the topology's links (Property 2, s → ∞)."""
-        return self.packing.time(nbytes)
+        """Seconds for one all-reduce of `nbytes` on the topology's links (Property 2), with the
+        pipeline fill of the fewest sub-chunks any tree is cut into at this size."""
+        numel = max(1, nbytes // 4)
+        fewest = min((len(_sub_chunks(0, size, 4, self.sub_chunk_bytes))
+                      for size in self.packing.chunk_sizes(numel) if size), default=1)
+        return self.packing.time(nbytes, sub_chunks=fewest)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Sum `tensor` (contiguous, same size on every rank) over the active ranks, in place. With
