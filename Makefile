@@ -33,6 +33,7 @@ bench: install
 	$(PY) benchmarks/reproduce_compression.py > /dev/null && echo "wrote benchmarks/results/reproduce_compression.md"
 	$(PY) benchmarks/forest_allreduce.py
 	$(PY) benchmarks/forest_netbed.py
+	$(PY) -m benchmarks.head_to_head --topology 2x2-pcie --inter-gbps 1 --out benchmarks/results/head_to_head_topology.md
 	$(PY) -m benchmarks.head_to_head
 
 clean:

@@ -27,24 +27,28 @@ TARGET = 1.3
 OUT = Path(__file__).parent / "results" / "forest_allreduce.md"
 
 
+def interleaved_medians(runs: dict, size_mb: float, iterations: int, warmup: int) -> dict[str, float]:
+    """Each all-reduce of `runs` (name -> function of a tensor) in turn on a buffer of `size_mb`,
+    after a barrier; the median over `iterations` (after `warmup`) of the slowest rank's seconds."""
+    buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
+    samples = {name: [] for name in runs}
+    for iteration in range(warmup + iterations):
+        for name, run in runs.items():
+            dist.barrier()
+            started = time.perf_counter()
+            run(buffer)
+            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if iteration >= warmup:
+                samples[name].append(elapsed.item())
+            buffer.fill_(1.0)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def worker(rank: int, world_size: int, sizes_mb: list[float], iterations: int, warmup: int, sub_chunk_bytes: int):
     forest = ForestAllReduce(complete(world_size), sub_chunk_bytes=sub_chunk_bytes)
-    results = {}
-    for size_mb in sizes_mb:
-        buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
-        samples = {"gloo": [], "forest": []}
-        for iteration in range(warmup + iterations):
-            for name, run in (("gloo", dist.all_reduce), ("forest", forest.all_reduce)):
-                dist.barrier()
-                started = time.perf_counter()
-                run(buffer)
-                elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if iteration >= warmup:
-                    samples[name].append(elapsed.item())
-                buffer.fill_(1.0)
-        results[size_mb] = {name: statistics.median(times) for name, times in samples.items()}
-    return results
+    runs = {"gloo": dist.all_reduce, "forest": forest.all_reduce}
+    return {size_mb: interleaved_medians(runs, size_mb, iterations, warmup) for size_mb in sizes_mb}
 
 
 def main() -> None:

@@ -13,16 +13,14 @@ Run (root): `.venv/bin/python benchmarks/forest_netbed.py [--size-mb 16] [--iter
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.forest_allreduce import interleaved_medians  # noqa: E402
 from benchmarks.netbed import from_topology, launch, netbed  # noqa: E402
 from gradsync.topology import ForestAllReduce, baseline_time, cluster  # noqa: E402
 
@@ -36,20 +34,8 @@ def topology(intra: float, inter: float):
 def rank_main(rank: int, world_size: int, intra: float, inter: float, size_mb: float, iterations: int,
               warmup: int, sub_chunk_bytes: int) -> dict:
     forest = ForestAllReduce(topology(intra, inter), sub_chunk_bytes=sub_chunk_bytes)
-    buffer = torch.ones(int(size_mb * (1 << 20)) // 4)
-    samples = {"ring": [], "forest": []}
-    for iteration in range(warmup + iterations):
-        for name, run in (("ring", dist.all_reduce), ("forest", forest.all_reduce)):
-            dist.barrier()
-            started = time.perf_counter()
-            run(buffer)
-            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if iteration >= warmup:
-                samples[name].append(elapsed.item())
-            buffer.fill_(1.0)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
-    return medians, forest.predicted_time(buffer.numel() * 4), len(forest.packing.trees)
+    medians = interleaved_medians({"ring": dist.all_reduce, "forest": forest.all_reduce}, size_mb, iterations, warmup)
+    return medians, forest.predicted_time(int(size_mb * (1 << 20)) // 4 * 4), len(forest.packing.trees)
 
 
 def main() -> None:

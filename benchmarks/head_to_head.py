@@ -38,7 +38,7 @@ from gradsync.launch import RankFailed
 from gradsync.runtime import attached
 from gradsync.runtime.channels import Channels
 from gradsync.runtime.measure import measure_cost
-from gradsync.topology import load, preset
+from gradsync.topology import Topology, load, preset
 
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, from_topology, launch, netbed, uniform
 from benchmarks.overhead import small_cnn
@@ -112,12 +112,14 @@ WORKLOADS = {"cnn": Workload("CNN (small tensors)", 4, small_cnn, images),
 
 @dataclass(frozen=True)
 class Row:
-    """A torch DDP row (no `scheduler`) or a gradsync row (planner `scheduler`, optional compressor)."""
+    """A torch DDP row (no `scheduler`) or a gradsync row (planner `scheduler`, optional compressor,
+    transport)."""
 
     label: str
     scheduler: str | None = None
     compressor: dict | None = None
     powersgd_hook: bool = False
+    transport: str = "allreduce"
 
     @property
     def is_gradsync(self) -> bool:
@@ -136,7 +138,9 @@ ROWS = {
     **{key: Row(f"gradsync {key}", scheduler=planner) for key, planner in PLANNER_ROWS.items()},
     "powersgd": Row("gradsync powersgd", scheduler="auto", compressor=low_rank("powersgd")),
     "acp_sgd": Row("gradsync acp_sgd", scheduler="auto", compressor=low_rank("acp_sgd")),
+    "forest": Row("gradsync forest", scheduler="auto", transport="forest"),
 }
+TOPOLOGY_ROWS = ("forest",)  # rows that need a --topology run
 QUICK_ROWS = ("ddp", "ddp_powersgd", "mg_wfbp", "acp_sgd")
 
 
@@ -192,9 +196,15 @@ class Variant:
         return report
 
 
-def make_variant(row: Row, base: nn.Module, cost) -> Variant:
+def make_variant(row: Row, base: nn.Module, cost, topology: dict | None) -> Variant:
+    """The row's model and optimizer; a forest row packs trees on the job's topology and fits its
+    own cost (its all-reduces are not the ring's)."""
     model = copy.deepcopy(base)
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    if row.transport == "forest":
+        model, optimizer = gradsync.wrap(model, optimizer, scheduler=row.scheduler, compressor=row.compressor,
+                                         transport="forest", topology=Topology.from_dict(topology))
+        return Variant(row.label, model, optimizer, gradsync=True)
     if row.is_gradsync:
         model, optimizer = gradsync.wrap(model, optimizer, scheduler=row.scheduler, compressor=row.compressor,
                                          cost=cost)
@@ -229,7 +239,7 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     compute_only = copy.deepcopy(base)
     variants = [Variant(COMPUTE_ONLY, compute_only, torch.optim.SGD(compute_only.parameters(), lr=LEARNING_RATE),
                         gradsync=False)]
-    variants += [make_variant(ROWS[key], base, cost) for key in job["rows"]]
+    variants += [make_variant(ROWS[key], base, cost, job["topology"]) for key in job["rows"]]
     generator = torch.Generator().manual_seed(rank)
     inputs, labels = workload.make_inputs(workload.batch, generator), torch.randint(0, 10, (workload.batch,), generator=generator)
     for round_index in range(job["warmup_rounds"] + job["rounds"]):
@@ -418,28 +428,28 @@ def chart(summaries: dict[Setting, dict[str, RowResult]], path: Path) -> None:
 
 
 # -- driver ----------------------------------------------------------------------------------------
-def network_specs(args) -> list[tuple[str, int, object]]:
-    """(network name, world size, NetSpec) for every network of the run."""
+def network_specs(args) -> list[tuple[str, int, object, dict | None]]:
+    """(network name, world size, NetSpec, topology as a dict or None) for every network of the run."""
     if args.topology:
         topology = load(args.topology) if Path(args.topology).exists() else preset(args.topology, args.inter_gbps)
         spec = from_topology(topology)
-        return [(f"topology {topology.name}", spec.hosts, spec)]
-    return [(rate, world_size, uniform(world_size, rate if rate in RATE_PRESETS else float(rate)))
+        return [(f"topology {topology.name}", spec.hosts, spec, topology.to_dict())]
+    return [(rate, world_size, uniform(world_size, rate if rate in RATE_PRESETS else float(rate)), None)
             for world_size in args.world_sizes for rate in args.rates]
 
 
 def run_settings(args) -> tuple[dict, dict, dict]:
     job = {"rows": args.rows, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "block": args.block}
     summaries, costs, failures = {}, {}, {}
-    for network, world_size, spec in network_specs(args):
+    for network, world_size, spec, topology in network_specs(args):
         with netbed(spec):
             for model in args.models:
                 setting = Setting(model, world_size, network)
                 print(f"running: {setting.title}", flush=True)
                 started = time.perf_counter()
                 try:
-                    reports = launch("benchmarks.head_to_head:rank_main", world_size, {**job, "model": model},
-                                     timeout=args.timeout)
+                    reports = launch("benchmarks.head_to_head:rank_main", world_size,
+                                     {**job, "model": model, "topology": topology}, timeout=args.timeout)
                 except RankFailed as failure:
                     failures[setting] = " / ".join(line[:300] for line in str(failure).splitlines()
                                                    if line.startswith("rank "))
@@ -458,7 +468,8 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--rates", nargs="+", default=list(RATE_PRESETS), help="NIC rates: 1gbit, 10gbit or Gbit/s")
     cli.add_argument("--topology", help="a gradsync topology preset or file: per-pair rates instead of --rates")
     cli.add_argument("--inter-gbps", type=float, default=1.0, help="inter-machine Gbit/s of a cluster preset")
-    cli.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
+    cli.add_argument("--rows", nargs="+", choices=list(ROWS),
+                     help=f"default: all ({', '.join(TOPOLOGY_ROWS)} only with --topology)")
     cli.add_argument("--rounds", type=int, default=6, help="timed rounds (one block per row each)")
     cli.add_argument("--warmup-rounds", type=int, default=3, help="untimed rounds first")
     cli.add_argument("--block", type=int, default=2, help="iterations per block")
@@ -472,6 +483,10 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.quick:
         args.models, args.world_sizes, args.rates, args.rows, args.rounds = ["cnn"], [2], ["1gbit"], list(QUICK_ROWS), 3
+    if args.rows is None:
+        args.rows = [key for key in ROWS if args.topology or key not in TOPOLOGY_ROWS]
+    if not args.topology and set(args.rows) & set(TOPOLOGY_ROWS):
+        sys.exit(f"head_to_head: rows {', '.join(TOPOLOGY_ROWS)} need --topology (a heterogeneous network)")
     if "ddp" not in args.rows:
         args.rows = ["ddp", *args.rows]  # every ratio is to torch DDP
     started, load_before = time.perf_counter(), os.getloadavg()[0]

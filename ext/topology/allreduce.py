@@ -18,6 +18,7 @@ message has its own tag, and every send is waited before `all_reduce` returns.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,8 +76,8 @@ class _RankTree:
 
 
 def contract(tree: Tree, rank_of: dict[str, int], active: set[int]) -> _RankTree:
-    """`tree` on ranks only: each rank hangs under its nearest rank ancestor; ranks with neither an
-    active node at or below them are dropped (they would carry nothing)."""
+    """`tree` on ranks only: each rank hangs under its nearest rank ancestor; ranks with no active
+    node at or below them are dropped (they would carry nothing)."""
     def rank_above(node: str) -> str:
         node = tree.parent[node]
         while node not in rank_of:
@@ -112,7 +113,7 @@ def build_schedule(packing: ForestPacking, workers: tuple[str, ...], numel: int,
     starts = _tree_starts(packing, sizes)
     steps: list[Step] = []
     reduced_at: dict[int, list[tuple[int, int, int]]] = {}  # root -> (start, stop, key) of reduced sub-chunks
-    tags = iter(range(1 << 30))
+    tags = itertools.count()  # one tag per message of the call
     ordered = sorted(range(len(packing.trees)), key=lambda i: packing.trees[i].kind != REDUCE)
     for index in ordered:
         tree, size = packing.trees[index], sizes[index]
