@@ -150,7 +150,7 @@ def test_a_dying_rank_makes_the_others_fail_not_hang():
     assert outcomes[0][0] == "ok" and outcomes[0][1].startswith("failed after"), outcomes[0]
 
 
-def non_finite(rank, world_size, mode):
+def non_finite(rank, world_size, mode, scale=float("inf")):
     torch.manual_seed(0)
     model = TiedNet()
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
@@ -158,7 +158,7 @@ def non_finite(rank, world_size, mode):
     before = [p.detach().clone() for p in model.parameters()]
     loss = _loss(model, rank, 0)
     if rank == 1:
-        loss = loss + model.mix.bias.sum() * float("inf")
+        loss = loss + model.mix.bias.sum() * scale
     loss.backward()
     try:
         optimizer.step()
@@ -174,6 +174,12 @@ def test_non_finite_gradient_raises_naming_the_parameter_on_every_rank():
 
 def test_non_finite_gradient_skips_the_step_on_every_rank():
     assert run_local(non_finite, 2, "skip") == ["unchanged", "unchanged"]
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_taken_for_non_finite():
+    """The check sums each reduced buffer first; 16 gradients of 1.5e38 overflow that sum, yet
+    every element is finite, so the step goes ahead."""
+    assert run_local(non_finite, 2, "raise", 3e38) == ["updated", "updated"]
 
 
 def traced(rank, world_size, path):

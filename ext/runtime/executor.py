@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..compress import Codec
+from ..compress.gradients import all_finite
 from ..errors import ConfigError
 from ..plan import BACKWARD, Plan, ops_by_channel
 from .channels import Channels
@@ -175,9 +176,11 @@ class PlanExecutor:
             flags = state.buffer[data_end:].tolist()
         used = dict(zip(state.tensors, flags))
         check = self.nonfinite != "ignore"
-        if check and data.is_floating_point() and not bool(torch.isfinite(data).all()):
-            self._non_finite([name for name, _, length, position in state.slices
-                              if not bool(torch.isfinite(data[..., position:position + length]).all())])
+        if check and data.is_floating_point() and not all_finite(data):  # one sum; the exact check names them
+            bad = [name for name, _, length, position in state.slices
+                   if not bool(torch.isfinite(data[..., position:position + length]).all())]
+            if bad:
+                self._non_finite(bad)
         for name, offset, length, position in state.slices:
             if used[name]:
                 target = self.codec.reduced_target(name, self.parameters[name], self.step)
@@ -196,7 +199,8 @@ class PlanExecutor:
             if self.skip_step:
                 return
             self.codec.finish(name, self.parameters[name], self.step)
-            if check_decoded and not bool(torch.isfinite(self.parameters[name].grad).all()):
+            grad = self.parameters[name].grad
+            if check_decoded and not all_finite(grad) and not bool(torch.isfinite(grad).all()):
                 self._non_finite([name])
 
     def _non_finite(self, bad: list[str]) -> None:
