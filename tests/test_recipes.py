@@ -20,7 +20,7 @@ GROUPS = ("strategy", "model", "data", "trainer", "cluster", "logger", "hparams_
 PLANNERS = {"wfbp": "wfbp", "ddp_buckets": "ddp", "mg_wfbp": "mg_wfbp", "optimal_merge": "optimal_merge",
             "asc_wfbp": "asc_wfbp", "bytescheduler": "bytescheduler", "us_byte": "us_byte", "gradsync_auto": "auto",
             "acp_sgd": "optimal_merge", "powersgd": "optimal_merge", "signsgd": "optimal_merge",
-            "topk": "optimal_merge"}
+            "topk": "optimal_merge", "forest": "auto"}
 
 
 def options(group):
@@ -97,6 +97,7 @@ def test_each_strategy_option_builds_its_lightning_strategy():
             assert not isinstance(strategy, GradSyncStrategy)
             continue
         assert strategy.scheduler == PLANNERS[option]
+        assert strategy.gradsync_options.get("transport", "allreduce") == ("forest" if option == "forest" else "allreduce")
     chosen = composed("strategy.compressor.rank=2", "strategy.scheduler=wfbp")
     acp = app.build_strategy(OmegaConf.to_container(chosen, resolve=True))
     assert acp.compressor == {"type": "acp_sgd", "rank": 2} and acp.scheduler == "wfbp"
