@@ -58,10 +58,19 @@ class ACPSGD(Codec):
         for name, (n, m, r) in self.shapes.items():
             self.p_prev[name] = torch.randn(n, r, generator=generator)
             self.q_prev[name] = torch.randn(m, r, generator=generator)
-        self.errors: dict[str, torch.Tensor] = {}
+        # E = sums − L·Rᵀ: the sum M + E_prev of the last step, and its local factors (L, R), whose
+        # subtraction (Algorithm 2, lines 6 and 11) is folded into the next step's pass over the rows
+        self.sums: dict[str, torch.Tensor] = {}
+        self.deferred: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.spares: dict[tuple, torch.Tensor] = {}  # one free error-sized buffer per shape
         self.query: dict[str, torch.Tensor] = {}  # the orthonormal factor of the current step
         self.staging: dict[str, torch.Tensor] = {}
+
+    @property
+    def errors(self) -> dict[str, torch.Tensor]:
+        """The error-feedback matrices E of this rank, materialised (for inspection and tests)."""
+        return {name: total - self.deferred[name][0] @ self.deferred[name][1].T if name in self.deferred else total
+                for name, total in self.sums.items()}
 
     def rounds(self, step: int) -> tuple[str]:
         return (self.layout(step),)
@@ -100,7 +109,7 @@ class ACPSGD(Codec):
         if layout == PLAIN or name not in self.shapes:
             return super().encode(name, grad, step)
         n, m, r = self.shapes[name]
-        like = grad if grad is not None else self.errors.get(name)
+        like = grad if grad is not None else self.sums.get(name)
         if like is None:
             return None  # no gradient and no error yet: this rank contributes nothing
         matrix = grad.reshape(n, m) if grad is not None else torch.zeros(n, m, dtype=like.dtype, device=like.device)
@@ -108,7 +117,7 @@ class ACPSGD(Codec):
         if not self.error_feedback:
             factor = matrix @ query if layout == P_STEP else (query.T @ matrix).T.contiguous()
             return factor.reshape(-1)
-        error = error_buffer(self.errors, name, matrix)
+        error = error_buffer(self.sums, name, matrix)
         # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
         if fused_update_available(error, r):  # two products, then the Triton kernel updates E in place
             if layout == P_STEP:
@@ -120,10 +129,13 @@ class ACPSGD(Codec):
             if all_finite(factor):
                 subtract_low_rank(matrix, error, left, right)
             return factor.reshape(-1)
-        new_error = spare_buffer(self.spares, matrix)
+        total = spare_buffer(self.spares, matrix)
         compress = compress_p_with_error if layout == P_STEP else compress_q_with_error
-        factor = compress(matrix, error, query, new_error)
-        keep_error(self.errors, self.spares, name, new_error, accepted=all_finite(factor))
+        factor = compress(matrix, error, self.deferred.get(name), query, total)
+        accepted = all_finite(factor)
+        keep_error(self.sums, self.spares, name, total, accepted)
+        if accepted:
+            self.deferred[name] = (factor, query) if layout == P_STEP else (query, factor)
         return factor.reshape(-1)
 
     def _query(self, name: str, layout: str, step: int, like: torch.Tensor) -> torch.Tensor:
@@ -163,45 +175,54 @@ class ACPSGD(Codec):
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
         """Shared: the options that shaped the state, the seed and the factors (equal on every
-        rank); per rank: the error-feedback matrices."""
+        rank); per rank: the error feedback as it is held, E = errors − L·Rᵀ with (L, R) in
+        `deferred` (so a resumed run computes exactly what the uninterrupted one would)."""
         shared = {"options": self._options(), "seed": self.seed, "p": cpu_copies(self.p_prev),
                   "q": cpu_copies(self.q_prev)}
-        return shared, {"errors": cpu_copies(self.errors)}
+        deferred = {name: (left.detach().cpu().clone(), right.detach().cpu().clone())
+                    for name, (left, right) in self.deferred.items()}
+        return shared, {"errors": cpu_copies(self.sums), "deferred": deferred}
 
     def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
         check_saved_state(self.name, shared["options"], self._options(), shared["p"], self.shapes)
         self.seed = shared["seed"]
         self.p_prev = {k: v.clone() for k, v in shared["p"].items()}
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
-        self.errors = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
+        self.sums = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
+        self.deferred = {k: (left.clone(), right.clone()) for k, (left, right) in (per_rank or {}).get("deferred", {}).items()}
 
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,
                 "start_iter": self.start_iter, "error_feedback": self.error_feedback, "reuse": self.reuse}
 
 
-def compress_p_with_error(matrix: torch.Tensor, error: torch.Tensor, query: torch.Tensor,
-                          new_error: torch.Tensor) -> torch.Tensor:
-    """P = (M + E)·Q and new_error = M + E − P·Qᵀ (Algorithm 2, lines 5–6) in one pass over the
-    rows: each block of M + E is formed once, in new_error, and used while it is in cache. The
-    query is column-major, so the product is BLAS's fast A·Bᵀ form."""
-    factor = matrix.new_empty(matrix.shape[0], query.shape[1])
+def combined_blocks(matrix: torch.Tensor, total: torch.Tensor, deferred, out: torch.Tensor):
+    """Row blocks of M + E = M + total − L·Rᵀ, each formed once into `out` and yielded while it is
+    in cache (one pass over M and the stored sum)."""
     for rows in row_blocks(matrix):
-        combined = torch.add(matrix[rows], error[rows], out=new_error[rows])
+        combined = torch.add(matrix[rows], total[rows], out=out[rows])
+        if deferred is not None:
+            combined.addmm_(deferred[0][rows], deferred[1].T, alpha=-1)
+        yield rows, combined
+
+
+def compress_p_with_error(matrix: torch.Tensor, total: torch.Tensor, deferred, query: torch.Tensor,
+                          out: torch.Tensor) -> torch.Tensor:
+    """P = (M + E)·Q (Algorithm 2, line 5), with `out` ← M + E; the caller keeps (P, Q) so that
+    E ← out − P·Qᵀ (line 6) is applied in the next step's pass. The query is column-major, so the
+    product is BLAS's fast A·Bᵀ form."""
+    factor = matrix.new_empty(matrix.shape[0], query.shape[1])
+    for rows, combined in combined_blocks(matrix, total, deferred, out):
         torch.mm(combined, query, out=factor[rows])
-        combined.addmm_(factor[rows], query.T, alpha=-1)
     return factor
 
 
-def compress_q_with_error(matrix: torch.Tensor, error: torch.Tensor, query: torch.Tensor,
-                          new_error: torch.Tensor) -> torch.Tensor:
-    """Q = (M + E)ᵀ·P and new_error = M + E − P·Qᵀ (Algorithm 2, lines 10–11): M + E is formed
-    once, in new_error, and Qᵀ = Pᵀ·(M + E) summed over row blocks while each is in cache; the
-    update needs the whole Q, so it is a second pass."""
+def compress_q_with_error(matrix: torch.Tensor, total: torch.Tensor, deferred, query: torch.Tensor,
+                          out: torch.Tensor) -> torch.Tensor:
+    """Q = (M + E)ᵀ·P (Algorithm 2, line 10), summed as Pᵀ·(M + E) over row blocks, with `out` ←
+    M + E; the caller keeps (P, Q) so that E ← out − P·Qᵀ (line 11) is applied in the next step's
+    pass: the update needs the whole Q, which a single pass cannot have."""
     transposed = matrix.new_zeros(query.shape[1], matrix.shape[1])
-    for rows in row_blocks(matrix):
-        combined = torch.add(matrix[rows], error[rows], out=new_error[rows])
+    for rows, combined in combined_blocks(matrix, total, deferred, out):
         transposed.addmm_(query[rows].T, combined)
-    for rows in row_blocks(matrix):
-        new_error[rows].addmm_(query[rows], transposed, alpha=-1)
     return transposed.T.contiguous()
