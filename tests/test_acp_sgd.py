@@ -302,3 +302,23 @@ def test_row_blocked_compression_follows_algorithm_2(step, monkeypatch):
         expected_wire = q
     assert torch.allclose(wire, expected_wire.reshape(-1), atol=1e-5)
     assert torch.allclose(codec.errors["w"], combined - p @ q.T, atol=1e-5)
+
+
+def test_saved_state_continues_on_another_dtype():
+    """A checkpoint holds the stored sum and the deferred factors; loaded where gradients are
+    float64, both move to that dtype and the run continues with the same error feedback."""
+    spec = {"w": TensorSpec("w", 30 * 20, 4, (30, 20))}
+    codec = ACPSGD(rank=2)
+    codec.setup(spec, 1, seed=5)
+    generator = torch.Generator().manual_seed(4)
+    for step in range(3):
+        one_worker_step(codec, "w", torch.randn(30, 20, generator=generator), step)
+    restored = ACPSGD(rank=2)
+    restored.setup(spec, 1, seed=9)
+    restored.load_state_dict(*codec.state_dict())
+    gradient = torch.randn(30, 20, generator=generator)
+    continued = one_worker_step(codec, "w", gradient, 3)
+    resumed = one_worker_step(restored, "w", gradient.double(), 3)
+    assert resumed.dtype == torch.float64
+    assert torch.allclose(resumed, continued.double(), atol=1e-5)
+    assert torch.allclose(restored.errors["w"], codec.errors["w"].double(), atol=1e-5)

@@ -118,8 +118,12 @@ class ACPSGD(Codec):
             factor = matrix @ query if layout == P_STEP else (query.T @ matrix).T.contiguous()
             return factor.reshape(-1)
         error = error_buffer(self.sums, name, matrix)
+        deferred = self._deferred_on(name, matrix)
         # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
         if fused_update_available(error, r):  # two products, then the Triton kernel updates E in place
+            if deferred is not None:  # state from a CPU run: make the stored sum E itself first
+                error.addmm_(deferred[0], deferred[1].T, alpha=-1)
+                del self.deferred[name]
             if layout == P_STEP:
                 factor = left = torch.addmm(error @ query, matrix, query)
                 right = query
@@ -131,12 +135,19 @@ class ACPSGD(Codec):
             return factor.reshape(-1)
         total = spare_buffer(self.spares, matrix)
         compress = compress_p_with_error if layout == P_STEP else compress_q_with_error
-        factor = compress(matrix, error, self.deferred.get(name), query, total)
+        factor = compress(matrix, error, deferred, query, total)
         accepted = all_finite(factor)
         keep_error(self.sums, self.spares, name, total, accepted)
         if accepted:
             self.deferred[name] = (factor, query) if layout == P_STEP else (query, factor)
         return factor.reshape(-1)
+
+    def _deferred_on(self, name: str, like: torch.Tensor):
+        """The deferred factors of `name` on `like`'s device and dtype (moved once after a load)."""
+        pair = self.deferred.get(name)
+        if pair is not None and (pair[0].device != like.device or pair[0].dtype != like.dtype):
+            pair = self.deferred[name] = tuple(t.to(device=like.device, dtype=like.dtype) for t in pair)
+        return pair
 
     def _query(self, name: str, layout: str, step: int, like: torch.Tensor) -> torch.Tensor:
         """Orth(Q_prev) on P steps, Orth(P_prev) on Q steps; fresh Gaussian ones without reuse."""
