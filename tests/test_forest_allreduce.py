@@ -208,3 +208,20 @@ def test_wrap_refuses_bad_transport_arguments_before_any_collective(arguments, m
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_wrap_arguments(**arguments)
+
+
+def _wrap_on_a_topology_of_another_size(rank, world_size):
+    import gradsync
+
+    model = torch.nn.Linear(4, 2)
+    try:
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "wfbp", transport="forest",
+                      topology="ring-3")
+    except ConfigError as exc:
+        return str(exc)
+    return "wrapped"
+
+
+def test_wrap_refuses_a_topology_that_does_not_match_the_ranks():
+    for message in run_local(_wrap_on_a_topology_of_another_size, 2, timeout=120):
+        assert "process group has 2 ranks but topology 'ring-3' has 3 workers" in message

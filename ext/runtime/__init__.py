@@ -9,17 +9,18 @@ import torch
 import torch.distributed as dist
 
 from .. import planners
+from ..agreement import share_from_first
 from ..compress import Codec
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..profile import ModelProfile
 from ..topology import Topology, complete
+from ..topology.allreduce import check_group_size
 from .arguments import WrapArguments, check_wrap_arguments
 from .channels import Channels
 from .engine import GradSync, IterationStats, _broadcast_from_first, attached, no_sync
 from .executor import NonFiniteGradient
 from .layout import ParameterLayout
-from ..agreement import share_from_first
 from .measure import ProfileCalibration, measure_cost
 from .optimizer import SyncedOptimizer
 from .trace import ChromeTrace
@@ -80,9 +81,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
 
+    forest = _forest_topology(arguments, process_group)
     _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], process_group)
-    channels = Channels(arguments.channels, process_group, timedelta(seconds=arguments.timeout),
-                        _forest_topology(arguments, process_group))
+    channels = Channels(arguments.channels, process_group, timedelta(seconds=arguments.timeout), forest)
     writer = ChromeTrace(arguments.trace, dist.get_rank(process_group)) if arguments.trace else None
     codec = arguments.codec
     codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channels.world_size,
@@ -102,7 +103,11 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
 
 
 def _forest_topology(arguments: WrapArguments, process_group) -> Topology | None:
-    """The topology the forest transport packs (the complete graph of the ranks by default)."""
+    """The topology the forest transport packs (the complete graph of the ranks by default),
+    checked against the group's size before any collective."""
     if arguments.transport != "forest":
         return None
-    return arguments.topology or complete(dist.get_world_size(process_group))
+    size = dist.get_world_size(process_group)
+    topology = arguments.topology or complete(size)
+    check_group_size(topology, size)
+    return topology

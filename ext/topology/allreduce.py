@@ -208,10 +208,7 @@ class ForestAllReduce:
             raise ConfigError("torch.distributed is not initialised: call init_process_group first")
         if not isinstance(topology, Topology):
             raise ConfigError(f"topology must be a gradsync.topology.Topology, got {type(topology).__name__}")
-        size = dist.get_world_size(process_group)
-        if size != len(topology.workers):
-            raise ConfigError(f"the process group has {size} ranks but topology {topology.name!r} has "
-                              f"{len(topology.workers)} workers: rank i runs worker i, so they must match")
+        check_group_size(topology, dist.get_world_size(process_group))
         if isinstance(sub_chunk_bytes, bool) or not isinstance(sub_chunk_bytes, int) or sub_chunk_bytes < 1:
             raise ConfigError(f"sub_chunk_bytes must be a positive integer, got {sub_chunk_bytes!r}")
         names = topology.active_workers(None if active_ranks is None else _active_names(topology, active_ranks))
@@ -230,7 +227,7 @@ class ForestAllReduce:
 
     def predicted_time(self, nbytes: int) -> float:
         """Seconds for one all-reduce of `nbytes` on the topology's links (Property 2), with the
-        pipeline fill of the fewest sub-chunks any tree is cut into at this size."""
+        pipeline fill of the fewest sub-chunks any tree is cut into at this size (fp32 elements)."""
         numel = max(1, nbytes // 4)
         fewest = min((len(_sub_chunks(0, size, 4, self.sub_chunk_bytes))
                       for size in self.packing.chunk_sizes(numel) if size), default=1)
@@ -300,6 +297,13 @@ class ForestAllReduce:
 def _lands_in_place(step: Step) -> bool:
     """An active rank receives broadcast data straight into its tensor."""
     return step.kind != REDUCE and step.holds
+
+
+def check_group_size(topology: Topology, size: int) -> None:
+    """Rank i runs worker i: the process group must hold exactly the topology's workers."""
+    if size != len(topology.workers):
+        raise ConfigError(f"the process group has {size} ranks but topology {topology.name!r} has "
+                          f"{len(topology.workers)} workers: rank i runs worker i, so they must match")
 
 
 def _received(incoming: dict, tag: int) -> torch.Tensor:

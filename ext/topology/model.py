@@ -68,16 +68,17 @@ class Topology:
     @cached_property
     def capacity(self) -> np.ndarray:
         """Dense matrix: capacity[u, v] = Gbit/s of link u→v, 0 where there is none."""
-        matrix = np.zeros((len(self.nodes), len(self.nodes)))
-        for link in self.links:
-            matrix[self.index[link.src], self.index[link.dst]] = link.gbps
-        return matrix
+        return self._link_matrix("gbps")
 
     @cached_property
     def latency(self) -> np.ndarray:
+        """Dense matrix: latency[u, v] = seconds of link u→v, 0 where there is none."""
+        return self._link_matrix("latency")
+
+    def _link_matrix(self, attribute: str) -> np.ndarray:
         matrix = np.zeros((len(self.nodes), len(self.nodes)))
         for link in self.links:
-            matrix[self.index[link.src], self.index[link.dst]] = link.latency
+            matrix[self.index[link.src], self.index[link.dst]] = getattr(link, attribute)
         return matrix
 
     @cached_property
