@@ -177,6 +177,54 @@ def test_full_rank_equals_uncompressed_averaging_and_factors_agree_across_ranks(
     assert factors0 == factors1  # identical on both ranks after every step
 
 
+class BranchNet(nn.Module):
+    """A trunk, and a branch only rank 0 uses: rank 1 never has the branch's gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = square_net()
+        self.branch = nn.Linear(8, 8)
+
+    def forward(self, x, use_branch):
+        h = self.trunk(x)
+        return h + self.branch(h) if use_branch else h
+
+
+def branch_used_by_one_rank(rank, world_size, compressor, error_feedback):
+    torch.manual_seed(0)
+    model = BranchNet()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     compressor={"type": compressor, "rank": 8, "min_compression_rate": 0,
+                                                 "error_feedback": error_feedback},
+                                     profile=profile_of(model), cost=COST)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst, factors = 0.0, []
+    for step in range(4):
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        x, y = data(rank, step)
+        F.cross_entropy(model(x, rank == 0), y).backward()
+        F.cross_entropy(reference(x, rank == 0), y).backward()
+        optimizer.synchronize()
+        worst = max(worst, max((p.grad - q.grad).abs().max().item()
+                               for p, q in zip(model.parameters(), reference.parameters())))
+        codec = attached(model).codec
+        factors.append(codec.q_prev["branch.weight"].reshape(-1).clone())
+        optimizer.step()
+        ref_optimizer.step()
+    attached(model).detach()
+    return worst, torch.stack(factors).tolist()
+
+
+@pytest.mark.parametrize("compressor", ["acp_sgd", "powersgd"])
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_a_tensor_without_gradient_on_one_rank_keeps_the_factors_shared(compressor, error_feedback):
+    (worst0, factors0), (worst1, factors1) = run_local(branch_used_by_one_rank, 2, compressor, error_feedback)
+    assert worst0 < 1e-5 and worst1 < 1e-5
+    assert factors0 == factors1
+
+
 def wire_bytes(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))

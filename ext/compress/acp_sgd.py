@@ -174,12 +174,15 @@ class ACPSGD(Codec):
             return
         n, m, r = self.shapes[name]
         averaged = self.staging[name]
+        query = self.query.pop(name, None)
+        if query is None:  # this rank had neither gradient nor error and sent zeros; the factors stay shared
+            query = self._query(name, layout, step, averaged)
         if layout == P_STEP:
             left = self.p_prev[name] = averaged.view(n, r).clone()
-            right = self.q_prev[name] = self.query[name]
+            right = self.q_prev[name] = query
         else:
             right = self.q_prev[name] = averaged.view(m, r).clone()
-            left = self.p_prev[name] = self.query[name]
+            left = self.p_prev[name] = query
         gradient = super().reduced_target(name, parameter, step).view(n, m)
         write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
 
