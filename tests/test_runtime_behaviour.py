@@ -343,3 +343,59 @@ def measured_with_planner_options(rank, world_size):
 
 def test_measurement_runs_wfbp_without_the_planners_options_then_the_planner_with_them():
     assert run_local(measured_with_planner_options, 2) == ["asc_wfbp", "asc_wfbp"]
+
+
+def calibration_through_codec_warmup(rank, world_size):
+    """ACP-SGD with 2 uncompressed steps; layers timed on iterations 1-2 (1 is uncompressed)."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
+                                     compressor={"type": "acp_sgd", "rank": 2, "start_iter": 2,
+                                                 "min_compression_rate": 1.0},
+                                     warmup_iterations=1, measure_iterations=2)
+    sync = attached(model)
+    seen = []
+    for step in range(6):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        seen.append((sync.plan.planner, sync.measurement is not None, id(sync.profile)))
+    sync.detach()
+    return seen
+
+
+def test_a_plan_made_during_the_codecs_warmup_is_made_again_on_steady_iterations():
+    for seen in run_local(calibration_through_codec_warmup, 2):
+        planners_, measuring, profiles = zip(*seen)
+        assert planners_ == ("wfbp", "wfbp", "mg_wfbp", "mg_wfbp", "mg_wfbp", "mg_wfbp")
+        # iterations 3 and 4 (a P and a Q step) are timed under the first plan, then it is made again
+        assert measuring == (True, True, True, True, False, False)
+        assert profiles[2] != profiles[4] and profiles[4] == profiles[5]
+
+
+def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
+    from gradsync.runtime.layout import ParameterLayout
+    from gradsync.runtime.measure import LayerTimer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    layout = ParameterLayout.of(model)
+    timer = LayerTimer(layout)
+    stall = 0.05
+
+    def stalled_update(_module, _inputs):  # a deferred update applied before layer 1's forward
+        time.sleep(stall)
+        timer.exclude(stall)
+
+    model[1].register_forward_pre_hook(stalled_update)
+    names = {m: n for m, n in layout.owners.items()}
+    for _ in range(3):
+        timer.forward_start()
+        output = model(torch.ones(2, 4))
+        for name in names["1"] + names["0"]:
+            timer.gradient_ready(name)
+        timer.count_iteration()
+    profile = timer.profile("two layers")
+    assert max(layer.forward_time for layer in profile.layers) < stall / 2
+    assert max(layer.backward_time for layer in profile.layers) < stall / 2
+    timer.remove()
+    assert output.shape == (2, 4)

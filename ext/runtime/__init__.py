@@ -98,7 +98,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     else:
         sync.install_plan(skeleton, cost, planner_name="wfbp")
         sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
-                                              arguments.measure_iterations, type(model).__name__)
+                                              arguments.measure_iterations, type(model).__name__,
+                                              codec.steady_rounds())
     return model, SyncedOptimizer(optimizer, sync)
 
 

@@ -9,7 +9,8 @@ Lifecycle of one iteration:
    (forward-phase) ops launch;
 3. ``optimizer.step()``: waits for the backward-phase ops and updates the parameters whose ops are
    complete; the others are updated by step 1 of the next iteration.
-While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it.
+While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it
+(made again once a codec warming up has reached its steady state: gradsync.runtime.measure).
 """
 from __future__ import annotations
 
@@ -234,6 +235,8 @@ class GradSync:
         self.layer_subsets[module_name].step(self.optimizer, hyper)
         if module_name in self.zero_after:
             _zero(self.layout.owners[module_name], self.layout.parameters, self.zero_after.pop(module_name))
+        if self.measurement is not None:  # neither the wait nor the update is the layer's forward
+            self.measurement.exclude(time.perf_counter() - started)
 
     def flush_deferred(self) -> None:
         """Apply every pending deferred update now, in layer order."""

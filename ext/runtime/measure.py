@@ -2,7 +2,10 @@
 
 Per-layer times follow the MG-WFBP authors' method: hooks time each layer while the first
 iterations run as WFBP (with a device synchronise on GPU); the backward time of a layer is the gap
-between its gradients becoming ready and those of the layer after it. The cost model is fitted from
+between its gradients becoming ready and those of the layer after it. Layer times depend on what
+runs beside them (a codec's encoding in the gradient hooks, uncompressed traffic during its warm-up
+steps), so a plan made while the codec was still warming up is made again once the codec has run
+the same number of iterations in its steady state, on the layer times of those. The cost model is fitted from
 timed all-reduces of several sizes, and γ from pairs run at once on two channels (asc-wfbp eq. 9).
 Rank 0's numbers are broadcast so that every rank plans with the same inputs.
 """
@@ -40,12 +43,18 @@ class LayerTimer:
         self.forward_samples: dict[str, list[float]] = {m: [] for m in layout.owners}
         self.backward_samples: dict[str, list[float]] = {m: [] for m in layout.owners}
         self.forward_begin = 0.0
+        self.stalled = 0.0  # time inside the current layer's forward that is not its own (deferred updates)
         self.handles = [module.register_forward_hook(self._forward_end_for(name))
                         for name, module in layout.modules.items()]
 
     def forward_start(self) -> None:
         self.forward_begin = _now(self.device)
         self.order, self.forward_ends, self.ready = [], {}, {}
+        self.stalled = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` spent in the current forward out of the layer being timed."""
+        self.stalled += seconds
 
     def module_start(self, module_name: str) -> None:
         if module_name not in self.forward_ends and module_name not in self.order:
@@ -53,7 +62,8 @@ class LayerTimer:
 
     def _forward_end_for(self, module_name: str):
         def forward_end(_module, _inputs, _output):
-            self.forward_ends.setdefault(module_name, _now(self.device))
+            if module_name not in self.forward_ends:
+                self.forward_ends[module_name] = _now(self.device) - self.stalled
         return forward_end
 
     def gradient_ready(self, name: str) -> None:
@@ -65,21 +75,27 @@ class LayerTimer:
         for module_name, end in sorted(self.forward_ends.items(), key=lambda item: item[1]):
             self.forward_samples[module_name].append(end - previous)
             previous = end
-        previous = max(self.forward_ends.values(), default=self.forward_begin)
+        previous = max(self.forward_ends.values(), default=self.forward_begin) + self.stalled
         for module_name, ready in sorted(self.ready.items(), key=lambda item: item[1]):
             self.backward_samples[module_name].append(ready - previous)
             previous = ready
 
     def profile(self, name: str) -> ModelProfile:
-        def mean(samples):
-            return statistics.fmean(samples) if samples else 0.0
+        """Each layer's median time over the counted iterations (robust to one disturbed iteration)."""
+        def median(samples):
+            return statistics.median(samples) if samples else 0.0
 
         return self.layout.profile(
             name,
             self.order,
-            {m: mean(s) for m, s in self.forward_samples.items()},
-            {m: mean(s) for m, s in self.backward_samples.items()},
+            {m: median(s) for m, s in self.forward_samples.items()},
+            {m: median(s) for m, s in self.backward_samples.items()},
         )
+
+    def clear(self) -> None:
+        """Forget the counted samples."""
+        for samples in (*self.forward_samples.values(), *self.backward_samples.values()):
+            samples.clear()
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -127,15 +143,22 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
 
 class ProfileCalibration:
     """Runs `warmup` + `iterations` iterations under the initial plan, timing layers in the last
-    `iterations`, then installs the planner's plan built on rank 0's measured profile."""
+    `iterations`, then installs the planner's plan built on rank 0's measured profile. When some
+    timed iterations were not in the codec's steady state, timing goes on under that plan until
+    `iterations` steady ones are counted, and the plan is made again on their profile."""
 
-    def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str):
+    def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str,
+                 steady_rounds: list[tuple[str, ...]]):
         self.timer = LayerTimer(layout)
         self.cost = cost
         self.warmup = warmup
         self.iterations = iterations
         self.name = name
+        self.steady_rounds = set(steady_rounds)
         self.seen = 0
+        self.counted = 0
+        self.all_steady = True
+        self.planned = False  # a plan was installed from iterations that were not all steady
 
     def forward_start(self) -> None:
         self.timer.forward_start()
@@ -146,13 +169,24 @@ class ProfileCalibration:
     def gradient_ready(self, name: str) -> None:
         self.timer.gradient_ready(name)
 
+    def exclude(self, seconds: float) -> None:
+        self.timer.exclude(seconds)
+
     def iteration_done(self, sync) -> None:
         self.seen += 1
-        if self.seen > self.warmup:
-            self.timer.count_iteration()
-        if self.seen < self.warmup + self.iterations:
+        steady = sync.rounds_now in self.steady_rounds
+        if self.seen <= self.warmup or (self.planned and not steady):
             return
-        self.timer.remove()
+        self.timer.count_iteration()
+        self.counted += 1
+        self.all_steady = self.all_steady and steady
+        if self.counted < self.iterations:
+            return
         measured = share_from_first(self.timer.profile(self.name).to_dict(), sync.channels.process_group)
-        sync.measurement = None
         sync.install_plan(ModelProfile.from_dict(measured), self.cost)
+        if self.all_steady:
+            self.timer.remove()
+            sync.measurement = None
+        else:
+            self.timer.clear()
+            self.planned, self.counted, self.all_steady = True, 0, True
