@@ -471,7 +471,7 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--rows", nargs="+", choices=list(ROWS),
                      help=f"default: all ({', '.join(TOPOLOGY_ROWS)} only with --topology)")
     cli.add_argument("--rounds", type=int, default=6, help="timed rounds (one block per row each)")
-    cli.add_argument("--warmup-rounds", type=int, default=3, help="untimed rounds first")
+    cli.add_argument("--warmup-rounds", type=int, default=4, help="untimed rounds first")
     cli.add_argument("--block", type=int, default=2, help="iterations per block")
     cli.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its ranks are killed")
     cli.add_argument("--quick", action="store_true", help="CNN, 2 ranks, 1 Gbit/s, rows " + ", ".join(QUICK_ROWS))

@@ -7,7 +7,7 @@ its channel has finished (eq. 3). An op lasts ``a`` (start-up) and then transmit
 work; while k ops transmit at once each progresses at 1/s(k) of its solo
 rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
 the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
-done; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
+done and the profile's update time (optimizer step, decoding) has passed; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
 Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
 sizes as they travel, codec compute folded into the layers' times.
@@ -55,7 +55,7 @@ class Timeline:
 
     @property
     def noncovered_comm(self) -> float:
-        """Communication not hidden behind compute: iteration time minus forward and backward."""
+        """Communication not hidden behind compute: iteration time minus forward, backward and update."""
         return max(0.0, self.iteration_time - self.compute_time)
 
     @property
@@ -161,7 +161,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         LayerSpan(i, layer.name, "backward", s, s + layer.backward_time)
         for i, (layer, s) in enumerate(zip(profile.layers, profile.backward_start_times()))
     ]
-    forward_clock = backward_done
+    forward_clock = backward_done + profile.update_time
     for i, layer in enumerate(profile.layers):
         forward_clock = max(forward_clock, forward_gate[i])
         layer_spans.append(LayerSpan(i, layer.name, "forward", forward_clock, forward_clock + layer.forward_time))
@@ -172,7 +172,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     )
     return Timeline(
         iteration_time=forward_clock,
-        compute_time=profile.forward_time + profile.backward_time,
+        compute_time=profile.forward_time + profile.backward_time + profile.update_time,
         backward_end=backward_end,
         comm_end=max(end, default=0.0),
         ops=op_spans,

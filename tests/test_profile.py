@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -22,10 +23,13 @@ def test_counts_and_bytes():
 
 
 def test_json_round_trip(tmp_path):
-    profile = toy_profile([(10, 1, 3), (20, 2, 2)])
+    profile = replace(toy_profile([(10, 1, 3), (20, 2, 2)]), update_time=0.004)
     path = tmp_path / "p.json"
     profile.save(path)
     assert ModelProfile.load(path) == profile
+    data = profile.to_dict()
+    del data["update_time"]  # profiles written before the field: no update time
+    assert ModelProfile.from_dict(data).update_time == 0.0
 
 
 @pytest.mark.parametrize(
@@ -37,6 +41,8 @@ def test_json_round_trip(tmp_path):
         (lambda d: d["layers"][0]["tensors"][0].update(numel=0), "numel"),
         (lambda d: d["layers"][0]["tensors"][0].update(bytes_per_element=3), "bytes_per_element"),
         (lambda d: d["layers"][1]["tensors"][0].update(name="t0"), "appears twice"),
+        (lambda d: d.update(update_time=-0.1), "update_time"),
+        (lambda d: d.update(update_time=float("nan")), "update_time"),
     ],
 )
 def test_bad_profiles_name_the_field(mutate, field):

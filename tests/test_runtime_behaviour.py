@@ -242,6 +242,22 @@ def test_profile_that_does_not_match_the_model_is_refused():
         gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile=wrong, cost=COST)
 
 
+def broadcast_mixed_dtypes(rank, world_size):
+    from gradsync.runtime.engine import _broadcast_from_first
+
+    values = [torch.full((3,), rank + 0.5), torch.full((2, 5), rank + 7, dtype=torch.int64),
+              torch.tensor([rank == 0, rank == 1, True]), torch.full((7,), rank + 0.25, dtype=torch.float16),
+              torch.full((4, 3), rank + 1.0, dtype=torch.float64).t()]  # odd byte sizes, a transposed view
+    _broadcast_from_first(values, None)
+    return [t.tolist() for t in values]
+
+
+def test_one_broadcast_gives_every_dtype_rank_0s_values():
+    results = run_local(broadcast_mixed_dtypes, 3)
+    assert results[0] == results[1] == results[2]
+    assert results[1] == [[0.5] * 3, [[7] * 5] * 2, [True, False, True], [0.25] * 7, [[1.0] * 4] * 3]
+
+
 def broadcast_at_wrap(rank, world_size, profile_path, cost_path):
     torch.manual_seed(rank)  # every rank starts from different weights and statistics
     model = TiedNet()
@@ -371,6 +387,45 @@ def test_a_plan_made_during_the_codecs_warmup_is_made_again_on_steady_iterations
         # iterations 3 and 4 (a P and a Q step) are timed under the first plan, then it is made again
         assert measuring == (True, True, True, True, False, False)
         assert profiles[2] != profiles[4] and profiles[4] == profiles[5]
+
+
+class SlowSGD(torch.optim.SGD):
+    """SGD whose step takes `pause` seconds more (a costly update)."""
+
+    def __init__(self, params, pause, **options):
+        super().__init__(params, **options)
+        self.pause = pause
+
+    def step(self, closure=None):
+        time.sleep(self.pause)
+        return super().step(closure)
+
+
+def measured_with_a_slow_update(rank, world_size, pause):
+    torch.manual_seed(0)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, SlowSGD(model.parameters(), pause, lr=0.1), scheduler="mg_wfbp",
+                                     warmup_iterations=1, measure_iterations=2)
+    sync = attached(model)
+    for step in range(4):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+        time.sleep(pause)  # the training loop's own work is not the engine's: not in the update time
+    layers = max(max(layer.forward_time, layer.backward_time) for layer in sync.profile.layers)
+    last = sync.history[-1]
+    result = sync.profile.update_time, layers, last.predicted_time, last.update_time, last.comm_wait
+    sync.detach()
+    return result
+
+
+def test_the_update_time_holds_the_optimizer_step_and_enters_the_prediction():
+    pause = 0.05
+    for update_time, slowest_layer, predicted, last_update, comm_wait in run_local(measured_with_a_slow_update,
+                                                                                     2, pause):
+        assert pause <= update_time < 1.5 * pause and pause <= last_update < 1.5 * pause
+        assert slowest_layer < pause / 2 and comm_wait < pause
+        assert pause <= predicted < 2 * pause
 
 
 def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():

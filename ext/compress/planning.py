@@ -61,7 +61,8 @@ def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], c
         at_once = ModelProfile(later.wire.name, tuple(LayerProfile(l.name, l.tensors, 0.0, 0.0)
                                                       for l in later.wire.layers))
         clock += simulate(later.plan, at_once, cost).comm_end
-    return clock + layout_plans[rounds[-1]].wire.forward_time
+    last = layout_plans[rounds[-1]].wire
+    return clock + last.update_time + last.forward_time
 
 
 def predict_cycle(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,

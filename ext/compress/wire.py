@@ -25,4 +25,4 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
         ))
     name = profile.name if codec.name == "identity" else f"{profile.name} ({codec.name}, {layout})"
     return ModelProfile(name, tuple(layers),
-                        {**profile.metadata, "codec": codec.name, "layout": layout})
+                        {**profile.metadata, "codec": codec.name, "layout": layout}, profile.update_time)

@@ -56,12 +56,15 @@ class ModelProfile:
     """Layers in input → output order; backward runs them in reverse.
 
     Layer l's gradients are ready when its backward ends, at ``backward_ready_times()[l]``
-    measured from the start of the backward pass (us-byte eq. 2).
+    measured from the start of the backward pass (us-byte eq. 2). ``update_time`` is the serial
+    work outside the layers in each iteration (the buffer broadcast, the optimizer step, a codec's
+    decoding), done between the end of synchronisation and the next forward.
     """
 
     name: str
     layers: tuple[LayerProfile, ...]
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    update_time: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,12 +121,15 @@ class ModelProfile:
             LayerProfile(l.name, l.tensors, l.forward_time * compute_factor, l.backward_time * compute_factor)
             for l in self.layers
         )
-        return ModelProfile(self.name, layers, dict(self.metadata))
+        return ModelProfile(self.name, layers, dict(self.metadata), self.update_time * compute_factor)
 
     # -- validation and JSON --------------------------------------------------------------
     def validate(self) -> None:
         if not self.layers:
             raise ConfigError(f"profile {self.name!r}: 'layers' is empty")
+        if not isinstance(self.update_time, (int, float)) or not math.isfinite(self.update_time) or self.update_time < 0:
+            raise ConfigError(f"profile {self.name!r}: 'update_time' must be a finite number >= 0, "
+                              f"got {self.update_time!r}")
         seen: set[str] = set()
         for index, layer in enumerate(self.layers):
             where = f"profile {self.name!r}: layers[{index}] ({layer.name!r})"
@@ -154,6 +160,7 @@ class ModelProfile:
         return {
             "name": self.name,
             "metadata": self.metadata,
+            "update_time": self.update_time,
             "layers": [
                 {
                     "name": l.name,
@@ -194,7 +201,8 @@ class ModelProfile:
             layers.append(
                 LayerProfile(str(entry["name"]), tuple(tensors), entry["forward_time"], entry["backward_time"])
             )
-        return cls(str(data.get("name", "profile")), tuple(layers), dict(data.get("metadata") or {}))
+        return cls(str(data.get("name", "profile")), tuple(layers), dict(data.get("metadata") or {}),
+                   data.get("update_time", 0.0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))

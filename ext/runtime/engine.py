@@ -47,6 +47,7 @@ class IterationStats:
     comm_wait: float  # time blocked on communication: the non-overlapped part
     bytes_sent: int
     predicted_time: float
+    update_time: float = 0.0  # serial work: buffer broadcast, optimizer step, codec work outside the hooks
 
     @property
     def compute_time(self) -> float:
@@ -88,6 +89,7 @@ class GradSync:
         self.layer_subsets: dict[str, ParameterSubset] = {}
         self.iteration_started = time.perf_counter()
         self.comm_wait = 0.0
+        self.update_time = 0.0
         self.optimizer = None
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward)]
         for name, parameter in layout.parameters.items():
@@ -169,19 +171,19 @@ class GradSync:
         self.executor.end_backward()
         for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
             previous, self.executor = self.executor, self.executors[layout]
-            previous.wait_all()
-            self.executor.start_iteration(previous.step, ready=previous.ready)
-            self.executor.skip_step = previous.skip_step  # a skip found in one round holds for the step
-            self.executor.end_backward()
+            self._wait(previous, previous.wait_all)
+            with self._updating():  # the round's encoding
+                self.executor.start_iteration(previous.step, ready=previous.ready)
+                self.executor.skip_step = previous.skip_step  # a skip found in one round holds for the step
+                self.executor.end_backward()
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
         for module_name in [m for m in self.pending if m in self.silent]:
             self._apply_deferred(module_name)
         if self.broadcast_buffers:
-            buffers = [b for b in self.model.buffers() if b.numel()]
-            if buffers:
-                _broadcast_from_first(buffers, self.channels.process_group)
+            with self._updating():  # serial work before the forward, as the optimizer step is
+                _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
         if self.measurement is not None:
             self.measurement.forward_start()
 
@@ -205,38 +207,52 @@ class GradSync:
             )
         self.backward_synced = False
         executor = self.executor
-        started = time.perf_counter()
-        if self.nonfinite == "skip":
-            executor.wait_all()
-        else:
-            executor.wait_phase(BACKWARD)
-        self.comm_wait += time.perf_counter() - started
+        self._wait(executor, executor.wait_all if self.nonfinite == "skip" else lambda: executor.wait_phase(BACKWARD))
         if executor.skip_step:
             self._finish_iteration()
             return None
         incomplete = [m for m, names in self.layout.owners.items() if not all(executor.complete(n) for n in names)]
-        if not incomplete:
-            optimizer.step()
-        else:
-            hyper = hyperparameters(optimizer)
-            complete = [p for m, names in self.layout.owners.items() if m not in incomplete
-                        for p in (self.layout.parameters[n] for n in names)]
-            ParameterSubset(optimizer, complete).step(optimizer)
-            self.pending = {m: hyper for m in incomplete}
+        with self._updating():
+            if not incomplete:
+                optimizer.step()
+            else:
+                hyper = hyperparameters(optimizer)
+                complete = [p for m, names in self.layout.owners.items() if m not in incomplete
+                            for p in (self.layout.parameters[n] for n in names)]
+                ParameterSubset(optimizer, complete).step(optimizer)
+                self.pending = {m: hyper for m in incomplete}
         self._finish_iteration()
         return None
 
     def _apply_deferred(self, module_name: str) -> None:
         started = time.perf_counter()
-        for index in self.executor.pending_ops(self.layout.owners[module_name]):
-            self.executor.wait(index)
-        self.comm_wait += time.perf_counter() - started
+        self._wait(self.executor, lambda: [self.executor.wait(index) for index in
+                                           self.executor.pending_ops(self.layout.owners[module_name])])
         hyper = self.pending.pop(module_name)
-        self.layer_subsets[module_name].step(self.optimizer, hyper)
-        if module_name in self.zero_after:
-            _zero(self.layout.owners[module_name], self.layout.parameters, self.zero_after.pop(module_name))
+        with self._updating():
+            self.layer_subsets[module_name].step(self.optimizer, hyper)
+            if module_name in self.zero_after:
+                _zero(self.layout.owners[module_name], self.layout.parameters, self.zero_after.pop(module_name))
         if self.measurement is not None:  # neither the wait nor the update is the layer's forward
             self.measurement.exclude(time.perf_counter() - started)
+
+    def _wait(self, executor: PlanExecutor, wait) -> None:
+        """Run `wait` on `executor`'s ops: its time is communication wait, except the codec's
+        decoding inside it, which is update time."""
+        decoded, started = executor.decode_seconds, time.perf_counter()
+        wait()
+        decoding = executor.decode_seconds - decoded
+        self.comm_wait += time.perf_counter() - started - decoding
+        self.update_time += decoding
+
+    @contextmanager
+    def _updating(self):
+        """Time the block as update time (optimizer step, a codec's work outside the hooks)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.update_time += time.perf_counter() - started
 
     def flush_deferred(self) -> None:
         """Apply every pending deferred update now, in layer order."""
@@ -266,12 +282,12 @@ class GradSync:
         now = time.perf_counter()
         stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
                                sum(self.executors[layout].wire_bytes() for layout in self.rounds_now),
-                               self.predicted_time(self.rounds_now))
+                               self.predicted_time(self.rounds_now), self.update_time)
         self.history.append(stats)
         if self.trace is not None:
             self.trace.iteration(stats)
         self.iteration += 1
-        self.iteration_started, self.comm_wait = now, 0.0
+        self.iteration_started, self.comm_wait, self.update_time = now, 0.0, 0.0
         if self.measurement is not None:
             self.measurement.iteration_done(self)
 
@@ -332,19 +348,26 @@ def _zero(names, parameters, set_to_none: bool) -> None:
 
 
 def _broadcast_from_first(tensors, process_group) -> None:
-    """Give every rank the first rank's values of `tensors` (one broadcast per dtype)."""
-    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Give every rank the first rank's values of `tensors`: one broadcast of their bytes, each
+    tensor's span aligned to 8 bytes (whatever the mix of dtypes)."""
+    spans, position = [], 0
     for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        dist.broadcast(flat, src=source, group=process_group)
-        position = 0
-        with torch.no_grad():
-            for tensor in group:
-                tensor.copy_(flat[position:position + tensor.numel()].view_as(tensor))
-                position += tensor.numel()
+        spans.append((tensor, position))
+        position += -(-tensor.numel() * tensor.element_size() // 8) * 8
+    if not spans:
+        return
+    flat = torch.empty(position, dtype=torch.uint8, device=spans[0][0].device)
+    for tensor, start in spans:
+        _byte_span(flat, tensor, start).copy_(tensor.detach().reshape(-1).view(torch.uint8))
+    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    dist.broadcast(flat, src=source, group=process_group)
+    with torch.no_grad():
+        for tensor, start in spans:
+            tensor.copy_(_byte_span(flat, tensor, start).view(tensor.dtype).view_as(tensor))
+
+
+def _byte_span(flat: torch.Tensor, tensor: torch.Tensor, start: int) -> torch.Tensor:
+    return flat[start:start + tensor.numel() * tensor.element_size()]
 
 
 def attached(model) -> GradSync:

@@ -58,6 +58,7 @@ class PlanExecutor:
         self.nonfinite = nonfinite
         self.trace = trace
         self.ops = [self._op_state(op) for op in plan.ops]
+        self.decode_seconds = 0.0  # time spent in the codec's finish, in all (inside the waits)
         self.ops_of_tensor: dict[str, list[int]] = {}
         for index, state in enumerate(self.ops):
             for name in state.tensors:
@@ -195,13 +196,15 @@ class PlanExecutor:
     def _finish(self, check_decoded: bool) -> None:
         """Let the codec write the gradients of the tensors whose ops are all done."""
         names, self.finishable = self.finishable, []
+        started = time.perf_counter()
         for name in names:
             if self.skip_step:
-                return
+                break
             self.codec.finish(name, self.parameters[name], self.step)
             grad = self.parameters[name].grad
             if check_decoded and not all_finite(grad) and not bool(torch.isfinite(grad).all()):
                 self._non_finite([name])
+        self.decode_seconds += time.perf_counter() - started
 
     def _non_finite(self, bad: list[str]) -> None:
         if self.nonfinite == "skip":

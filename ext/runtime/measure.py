@@ -2,17 +2,20 @@
 
 Per-layer times follow the MG-WFBP authors' method: hooks time each layer while the first
 iterations run as WFBP (with a device synchronise on GPU); the backward time of a layer is the gap
-between its gradients becoming ready and those of the layer after it. Layer times depend on what
-runs beside them (a codec's encoding in the gradient hooks, uncompressed traffic during its warm-up
-steps), so a plan made while the codec was still warming up is made again once the codec has run
-the same number of iterations in its steady state, on the layer times of those. The cost model is fitted from
-timed all-reduces of several sizes, and γ from pairs run at once on two channels (asc-wfbp eq. 9).
-Rank 0's numbers are broadcast so that every rank plans with the same inputs.
+between its gradients becoming ready and those of the layer after it; the update time is the
+engine's serial work outside the layers (buffer broadcast, optimizer step, a codec's decoding and
+its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in the gradient
+hooks, uncompressed traffic during its warm-up steps), so a plan made while the codec was still
+warming up is made again once the codec has run as many steady iterations, on their times. The
+cost model is fitted from timed all-reduces of several sizes, and γ from pairs run at once on two
+channels (asc-wfbp eq. 9). Rank 0's numbers are broadcast so that every rank plans with the same
+inputs.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,10 @@ from ..cost import CostModel
 from ..profile import ModelProfile
 from .channels import Channels
 from .layout import ParameterLayout
+
+
+def _median(samples: list[float]) -> float:
+    return statistics.median(samples) if samples else 0.0
 
 
 def _now(device: torch.device) -> float:
@@ -80,17 +87,15 @@ class LayerTimer:
             self.backward_samples[module_name].append(ready - previous)
             previous = ready
 
-    def profile(self, name: str) -> ModelProfile:
+    def profile(self, name: str, update_time: float = 0.0) -> ModelProfile:
         """Each layer's median time over the counted iterations (robust to one disturbed iteration)."""
-        def median(samples):
-            return statistics.median(samples) if samples else 0.0
-
-        return self.layout.profile(
+        profile = self.layout.profile(
             name,
             self.order,
-            {m: median(s) for m, s in self.forward_samples.items()},
-            {m: median(s) for m, s in self.backward_samples.items()},
+            {m: _median(s) for m, s in self.forward_samples.items()},
+            {m: _median(s) for m, s in self.backward_samples.items()},
         )
+        return replace(profile, update_time=update_time)
 
     def clear(self) -> None:
         """Forget the counted samples."""
@@ -159,6 +164,7 @@ class ProfileCalibration:
         self.counted = 0
         self.all_steady = True
         self.planned = False  # a plan was installed from iterations that were not all steady
+        self.update_samples: list[float] = []  # IterationStats.update_time of the counted iterations
 
     def forward_start(self) -> None:
         self.timer.forward_start()
@@ -178,15 +184,18 @@ class ProfileCalibration:
         if self.seen <= self.warmup or (self.planned and not steady):
             return
         self.timer.count_iteration()
+        self.update_samples.append(sync.history[-1].update_time)
         self.counted += 1
         self.all_steady = self.all_steady and steady
         if self.counted < self.iterations:
             return
-        measured = share_from_first(self.timer.profile(self.name).to_dict(), sync.channels.process_group)
+        profile = self.timer.profile(self.name, _median(self.update_samples))
+        measured = share_from_first(profile.to_dict(), sync.channels.process_group)
         sync.install_plan(ModelProfile.from_dict(measured), self.cost)
         if self.all_steady:
             self.timer.remove()
             sync.measurement = None
         else:
             self.timer.clear()
+            self.update_samples.clear()
             self.planned, self.counted, self.all_steady = True, 0, True
