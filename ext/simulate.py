@@ -7,7 +7,8 @@ its channel has finished (eq. 3). An op lasts ``a`` (start-up) and then transmit
 work; while k ops transmit at once each progresses at 1/s(k) of its solo
 rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
 the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
-done and the profile's update time (optimizer step, decoding) has passed; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
+done and the update of the layers they carry (optimizer step, decoding) has run; a layer whose
+gradients travel in forward-phase ops is updated just before its forward; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
 Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
 sizes as they travel, codec compute folded into the layers' times.
@@ -161,9 +162,10 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         LayerSpan(i, layer.name, "backward", s, s + layer.backward_time)
         for i, (layer, s) in enumerate(zip(profile.layers, profile.backward_start_times()))
     ]
-    forward_clock = backward_done + profile.update_time
+    deferred = {layer_of[s.tensor] for op in plan.ops if op.phase == FORWARD for s in op.slices}
+    forward_clock = backward_done + sum(l.update_time for i, l in enumerate(profile.layers) if i not in deferred)
     for i, layer in enumerate(profile.layers):
-        forward_clock = max(forward_clock, forward_gate[i])
+        forward_clock = max(forward_clock, forward_gate[i]) + (layer.update_time if i in deferred else 0.0)
         layer_spans.append(LayerSpan(i, layer.name, "forward", forward_clock, forward_clock + layer.forward_time))
         forward_clock += layer.forward_time
 

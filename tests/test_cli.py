@@ -62,7 +62,7 @@ def test_simulate_table_has_every_scheduler(capsys, profile_file):
     assert wfbp["speedup_over_wfbp"] == pytest.approx(1.0)
     best = min(r["iteration_time_ms"] for r in rows)
     auto = next(r for r in rows if r["scheduler"].startswith("auto"))
-    assert auto["iteration_time_ms"] == pytest.approx(best)
+    assert best <= auto["iteration_time_ms"] <= best / (1 - 0.02)  # auto's default tolerance
 
 
 def test_zoo_lists_models(capsys):

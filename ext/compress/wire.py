@@ -22,7 +22,8 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
             tuple(codec.wire_spec(spec, layout) for spec in layer.tensors),
             layer.forward_time + decode,
             layer.backward_time + encode,
+            layer.update_time,
         ))
     name = profile.name if codec.name == "identity" else f"{profile.name} ({codec.name}, {layout})"
     return ModelProfile(name, tuple(layers),
-                        {**profile.metadata, "codec": codec.name, "layout": layout}, profile.update_time)
+                        {**profile.metadata, "codec": codec.name, "layout": layout})

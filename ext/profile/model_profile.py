@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,12 +35,14 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """One layer (a module that owns parameters) with its forward and backward times in seconds."""
+    """One layer (a module that owns parameters) with its forward and backward times in seconds, and
+    its update time: the serial work of applying its gradients (optimizer step, a codec's decoding)."""
 
     name: str
     tensors: tuple[TensorSpec, ...]
     forward_time: float
     backward_time: float
+    update_time: float = 0.0
 
     @property
     def numel(self) -> int:
@@ -56,15 +58,12 @@ class ModelProfile:
     """Layers in input → output order; backward runs them in reverse.
 
     Layer l's gradients are ready when its backward ends, at ``backward_ready_times()[l]``
-    measured from the start of the backward pass (us-byte eq. 2). ``update_time`` is the serial
-    work outside the layers in each iteration (the buffer broadcast, the optimizer step, a codec's
-    decoding), done between the end of synchronisation and the next forward.
+    measured from the start of the backward pass (us-byte eq. 2).
     """
 
     name: str
     layers: tuple[LayerProfile, ...]
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
-    update_time: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -100,6 +99,17 @@ class ModelProfile:
     def backward_time(self) -> float:
         return sum(layer.backward_time for layer in self.layers)
 
+    @property
+    def update_time(self) -> float:
+        return sum(layer.update_time for layer in self.layers)
+
+    def with_update_time(self, seconds: float) -> "ModelProfile":
+        """This profile with `seconds` of update time shared by the layers in proportion to their
+        gradient bytes (the optimizer step and decoding scale with the parameters)."""
+        total = self.total_bytes
+        layers = tuple(replace(layer, update_time=seconds * layer.nbytes / total) for layer in self.layers)
+        return ModelProfile(self.name, layers, dict(self.metadata))
+
     def backward_start_times(self) -> list[float]:
         """τ_b(l) for every layer, with τ_b(L) = 0 (us-byte eq. 2, asc-wfbp Alg. 1 lines 2–5)."""
         starts = [0.0] * len(self.layers)
@@ -118,22 +128,20 @@ class ModelProfile:
         if not compute_factor > 0:
             raise ConfigError(f"compute_factor must be > 0, got {compute_factor!r}")
         layers = tuple(
-            LayerProfile(l.name, l.tensors, l.forward_time * compute_factor, l.backward_time * compute_factor)
+            LayerProfile(l.name, l.tensors, l.forward_time * compute_factor, l.backward_time * compute_factor,
+                         l.update_time * compute_factor)
             for l in self.layers
         )
-        return ModelProfile(self.name, layers, dict(self.metadata), self.update_time * compute_factor)
+        return ModelProfile(self.name, layers, dict(self.metadata))
 
     # -- validation and JSON --------------------------------------------------------------
     def validate(self) -> None:
         if not self.layers:
             raise ConfigError(f"profile {self.name!r}: 'layers' is empty")
-        if not isinstance(self.update_time, (int, float)) or not math.isfinite(self.update_time) or self.update_time < 0:
-            raise ConfigError(f"profile {self.name!r}: 'update_time' must be a finite number >= 0, "
-                              f"got {self.update_time!r}")
         seen: set[str] = set()
         for index, layer in enumerate(self.layers):
             where = f"profile {self.name!r}: layers[{index}] ({layer.name!r})"
-            for attr in ("forward_time", "backward_time"):
+            for attr in ("forward_time", "backward_time", "update_time"):
                 value = getattr(layer, attr)
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                     raise ConfigError(f"{where}: '{attr}' must be a finite number >= 0, got {value!r}")
@@ -160,12 +168,12 @@ class ModelProfile:
         return {
             "name": self.name,
             "metadata": self.metadata,
-            "update_time": self.update_time,
             "layers": [
                 {
                     "name": l.name,
                     "forward_time": l.forward_time,
                     "backward_time": l.backward_time,
+                    "update_time": l.update_time,
                     "tensors": [_tensor_dict(t) for t in l.tensors],
                 }
                 for l in self.layers
@@ -199,10 +207,10 @@ class ModelProfile:
                 tensors.append(TensorSpec(str(t["name"]), t["numel"], t.get("bytes_per_element", 4),
                                           None if shape is None else tuple(shape)))
             layers.append(
-                LayerProfile(str(entry["name"]), tuple(tensors), entry["forward_time"], entry["backward_time"])
+                LayerProfile(str(entry["name"]), tuple(tensors), entry["forward_time"], entry["backward_time"],
+                             entry.get("update_time", 0.0))
             )
-        return cls(str(data.get("name", "profile")), tuple(layers), dict(data.get("metadata") or {}),
-                   data.get("update_time", 0.0))
+        return cls(str(data.get("name", "profile")), tuple(layers), dict(data.get("metadata") or {}))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -95,7 +94,7 @@ class LayerTimer:
             {m: _median(s) for m, s in self.forward_samples.items()},
             {m: _median(s) for m, s in self.backward_samples.items()},
         )
-        return replace(profile, update_time=update_time)
+        return profile.with_update_time(update_time)
 
     def clear(self) -> None:
         """Forget the counted samples."""
