@@ -80,16 +80,22 @@ def test_checkpoint_mid_run_resumes_exactly(tmp_path):
     assert max(run_local(checkpoint_resume, 2, str(tmp_path / "ckpt.pt"))) == 0.0
 
 
-def measured_plan(rank, world_size):
+def trained_with_measurement(rank, optimizer_of, after_step=lambda: None):
+    """TiedNet under mg_wfbp with a measured profile (1 warm-up and 2 timed iterations), 4 steps."""
     torch.manual_seed(0)
     model = TiedNet()
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
+    model, optimizer = gradsync.wrap(model, optimizer_of(model.parameters()), scheduler="mg_wfbp",
                                      warmup_iterations=1, measure_iterations=2)
-    sync = attached(model)
     for step in range(4):
         optimizer.zero_grad()
         _loss(model, rank, step).backward()
         optimizer.step()
+        after_step()
+    return attached(model)
+
+
+def measured_plan(rank, world_size):
+    sync = trained_with_measurement(rank, lambda parameters: torch.optim.SGD(parameters, lr=0.1))
     profile = sync.profile
     result = {
         "planner": sync.plan.planner, "hash": sync.plan.hash, "a": sync.cost.a, "b": sync.cost.b,
@@ -402,16 +408,9 @@ class SlowSGD(torch.optim.SGD):
 
 
 def measured_with_a_slow_update(rank, world_size, pause):
-    torch.manual_seed(0)
-    model = TiedNet()
-    model, optimizer = gradsync.wrap(model, SlowSGD(model.parameters(), pause, lr=0.1), scheduler="mg_wfbp",
-                                     warmup_iterations=1, measure_iterations=2)
-    sync = attached(model)
-    for step in range(4):
-        optimizer.zero_grad()
-        _loss(model, rank, step).backward()
-        optimizer.step()
-        time.sleep(pause)  # the training loop's own work is not the engine's: not in the update time
+    # the training loop's own work (the sleep after the step) is not the engine's: not in the update time
+    sync = trained_with_measurement(rank, lambda parameters: SlowSGD(parameters, pause, lr=0.1),
+                                    after_step=lambda: time.sleep(pause))
     layers = max(max(layer.forward_time, layer.backward_time) for layer in sync.profile.layers)
     last = sync.history[-1]
     result = sync.profile.update_time, layers, last.predicted_time, last.update_time, last.comm_wait
