@@ -225,9 +225,13 @@ class GradSync:
         return None
 
     def _apply_deferred(self, module_name: str) -> None:
-        started = time.perf_counter()
-        self._wait(self.executor, lambda: [self.executor.wait(index) for index in
-                                           self.executor.pending_ops(self.layout.owners[module_name])])
+        started, executor = time.perf_counter(), self.executor
+
+        def wait_for_the_modules_ops():
+            for index in executor.pending_ops(self.layout.owners[module_name]):
+                executor.wait(index)
+
+        self._wait(executor, wait_for_the_modules_ops)
         hyper = self.pending.pop(module_name)
         with self._updating():
             self.layer_subsets[module_name].step(self.optimizer, hyper)
