@@ -8,7 +8,8 @@ work; while k ops transmit at once each progresses at 1/s(k) of its solo
 rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
 the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
 done and the update of the layers they carry (optimizer step, decoding) has run; a layer whose
-gradients travel in forward-phase ops is updated just before its forward; layer l's forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
+gradients travel in forward-phase ops is updated just before its forward, and its forward also
+waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
 Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
 sizes as they travel, codec compute folded into the layers' times.

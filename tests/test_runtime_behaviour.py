@@ -253,7 +253,8 @@ def broadcast_mixed_dtypes(rank, world_size):
 
     values = [torch.full((3,), rank + 0.5), torch.full((2, 5), rank + 7, dtype=torch.int64),
               torch.tensor([rank == 0, rank == 1, True]), torch.full((7,), rank + 0.25, dtype=torch.float16),
-              torch.full((4, 3), rank + 1.0, dtype=torch.float64).t()]  # odd byte sizes, a transposed view
+              torch.full((4, 3), rank + 1.0, dtype=torch.float64).t(),  # odd byte sizes, a transposed view
+              torch.full((2,), complex(rank, 1), dtype=torch.complex128)]
     _broadcast_from_first(values, None)
     return [t.tolist() for t in values]
 
@@ -261,7 +262,7 @@ def broadcast_mixed_dtypes(rank, world_size):
 def test_one_broadcast_gives_every_dtype_rank_0s_values():
     results = run_local(broadcast_mixed_dtypes, 3)
     assert results[0] == results[1] == results[2]
-    assert results[1] == [[0.5] * 3, [[7] * 5] * 2, [True, False, True], [0.25] * 7, [[1.0] * 4] * 3]
+    assert results[1] == [[0.5] * 3, [[7] * 5] * 2, [True, False, True], [0.25] * 7, [[1.0] * 4] * 3, [1j] * 2]
 
 
 def broadcast_at_wrap(rank, world_size, profile_path, cost_path):

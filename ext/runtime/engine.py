@@ -353,11 +353,11 @@ def _zero(names, parameters, set_to_none: bool) -> None:
 
 def _broadcast_from_first(tensors, process_group) -> None:
     """Give every rank the first rank's values of `tensors`: one broadcast of their bytes, each
-    tensor's span aligned to 8 bytes (whatever the mix of dtypes)."""
+    tensor's span aligned to 16 bytes, the largest element size (whatever the mix of dtypes)."""
     spans, position = [], 0
     for tensor in tensors:
         spans.append((tensor, position))
-        position += -(-tensor.numel() * tensor.element_size() // 8) * 8
+        position += -(-tensor.numel() * tensor.element_size() // 16) * 16
     if not spans:
         return
     flat = torch.empty(position, dtype=torch.uint8, device=spans[0][0].device)

@@ -4,12 +4,12 @@ Per-layer times follow the MG-WFBP authors' method: hooks time each layer while 
 iterations run as WFBP (with a device synchronise on GPU); the backward time of a layer is the gap
 between its gradients becoming ready and those of the layer after it; the update time is the
 engine's serial work outside the layers (buffer broadcast, optimizer step, a codec's decoding and
-its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in the gradient
-hooks, uncompressed traffic during its warm-up steps), so a plan made while the codec was still
-warming up is made again once the codec has run as many steady iterations, on their times. The
-cost model is fitted from timed all-reduces of several sizes, and γ from pairs run at once on two
-channels (asc-wfbp eq. 9). Rank 0's numbers are broadcast so that every rank plans with the same
-inputs.
+its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in
+the gradient hooks, uncompressed traffic during its warm-up steps), so a plan made while the codec
+was still warming up is made again once the codec has run as many steady iterations, on their
+times. The cost model is fitted from timed all-reduces of several sizes, and γ from pairs run at
+once on two channels (asc-wfbp eq. 9). Rank 0's numbers are broadcast so that every rank plans
+with the same inputs.
 """
 from __future__ import annotations
 
