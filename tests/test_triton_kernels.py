@@ -231,6 +231,15 @@ def test_sign_round_trip_is_scale_times_sign(shape, dtype):
     torch.testing.assert_close(tk.sign_unpack(packed, scale, x.numel()), scale * signs)
 
 
+def test_sign_pack_and_unpack_every_byte_value():
+    # element 8b + i is >= 0 exactly when bit i of b is set: the packed bytes are 0, 1, ..., 255
+    bits = [(b >> i) & 1 for b in range(256) for i in range(8)]
+    x = torch.tensor([1.0 if bit else -1.0 for bit in bits])
+    packed, scale = tk.sign_pack(x)
+    assert packed.tolist() == list(range(256)) and scale.item() == 1.0
+    assert tk.sign_unpack(packed, 2.0, 2045).tolist() == [2.0 if bit else -2.0 for bit in bits[:2045]]
+
+
 def test_sign_majority_unpack_by_brute_force():
     generator = torch.Generator().manual_seed(4)
     numel, world = 13, 4
@@ -286,6 +295,17 @@ def test_topk_by_threshold_reference_by_brute_force():
     order = sorted(range(40), key=lambda i: -abs(x.reshape(-1)[i].item()))[:6]
     assert indices.tolist() == order
     assert values.tolist() == [x.reshape(-1)[i].item() for i in order]
+
+
+@pytest.mark.parametrize("samples, seed", [(1000, 3), (1, "miss")])
+def test_topk_by_threshold_reference_matches_torch_topk_on_the_sampled_path(samples, seed):
+    x = _distinct_magnitudes(torch.Generator().manual_seed(7), 2000, torch.float32)
+    if seed == "miss":  # the one sample lands on a spike: too few candidates, the whole tensor is used
+        x[0], seed = 5000.0, _seed_sampling_index(2000, 0)
+    values, indices = tk.topk_by_threshold(x, 50, samples, seed)
+    expected = torch.topk(x.abs(), 50).indices
+    assert indices.tolist() == expected.tolist()
+    assert torch.equal(values, x[expected])
 
 
 @pytest.mark.parametrize("call, message", [

@@ -89,8 +89,8 @@ def count_above(x, t):
 
 def topk_by_threshold(x, k, samples=None, seed=0):
     """(values, indices) of exactly the k largest |x| over x.reshape(-1), largest first; values keep
-    their sign. On CUDA: threshold about three standard deviations below the estimated k-th magnitude,
-    exact top k of the survivors (and of the whole tensor if fewer than k survive); on CPU torch.topk."""
+    their sign. Threshold about three standard deviations below the estimated k-th magnitude, exact
+    top k of the survivors (and of the whole tensor if fewer than k survive)."""
     return _implementation(x).topk_by_threshold(x, k, samples, seed)
 
 

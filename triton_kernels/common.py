@@ -171,3 +171,22 @@ def estimate_threshold(x: torch.Tensor, k: int, samples: int | None, seed: int,
         sample = gather_abs(flat, indices)
     hits = min(size, max(1, round(size * k / numel)))
     return torch.kthvalue(sample, size - hits + 1).values
+
+
+def select_topk(x: torch.Tensor, k: int, samples: int | None, seed: int,
+                threshold: Callable[[torch.Tensor, int, int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of exactly the k largest |x|, largest first, through a sampled threshold.
+
+    `threshold(x, k', s, seed)` (the implementation's topk_threshold) is aimed at k' = candidate_k
+    elements, a little below the estimated k-th magnitude; the exact top k of the elements with
+    |x| >= t is the top k of x whenever at least k survive, and when fewer do (a low-probability
+    miss of the estimate) the top k of the whole tensor is taken.
+    """
+    flat = x.reshape(-1)
+    size = sample_size(flat.numel(), k, samples)
+    cut = threshold(x, candidate_k(flat.numel(), k, size), size, seed)
+    candidates = torch.nonzero(flat.abs().float() >= cut).squeeze(1)
+    if candidates.numel() < k:
+        candidates = torch.arange(flat.numel(), device=x.device)
+    indices = candidates[torch.topk(flat[candidates].abs(), k).indices]
+    return flat[indices], indices

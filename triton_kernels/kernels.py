@@ -183,15 +183,6 @@ def count_above(x, t):
 
 
 def topk_by_threshold(x, k, samples=None, seed=0):
-    """Threshold a little below the estimated k-th magnitude (common.candidate_k), keep the elements
-    with |x| >= t and take the exact top k of those; when fewer than k survive (a low-probability
-    miss of the estimate), take the exact top k of the whole tensor."""
+    """The exact top k through the Triton threshold estimate (common.select_topk)."""
     x = common.topk_args("topk_by_threshold", x, k, samples, seed)
-    flat = x.reshape(-1)
-    size = common.sample_size(flat.numel(), k, samples)
-    threshold = topk_threshold(x, common.candidate_k(flat.numel(), k, size), size, seed)
-    candidates = torch.nonzero(flat.abs().float() >= threshold).squeeze(1)
-    if candidates.numel() < k:
-        candidates = torch.arange(flat.numel(), device=x.device)
-    indices = candidates[torch.topk(flat[candidates].abs(), k).indices]
-    return flat[indices], indices
+    return common.select_topk(x, k, samples, seed, topk_threshold)

@@ -5,7 +5,13 @@ import torch
 
 from . import common
 
-BIT_WEIGHTS = tuple(1 << bit for bit in range(8))
+# Packing by multiplication: read 8 bit-bytes (0 or 1) as one little-endian uint64, byte i at bit
+# 8i. Term k of this constant is 2^(7k + 7), so byte i times term k lands on bit 8i + 7k + 7: bit
+# 56 + i for k = 7 − i. No two (i, k) share a bit (no carries), terms past bit 63 wrap away, and
+# the top byte of the product is the packed byte.
+_GATHER_BITS = 0x0102040810204080
+# Row b: the 8 bits of byte value b, least significant first.
+_BITS_OF_BYTE = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
 
 
 def error_feedback_update(M, E, P, Q, out=None):
@@ -23,17 +29,22 @@ def sign_pack(x):
     flat = x.reshape(-1)
     bits = torch.zeros(8 * common.packed_length(flat.numel()), dtype=torch.uint8, device=x.device)
     bits[: flat.numel()] = flat >= 0
-    weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
-    packed = (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-    scale = flat.abs().sum(dtype=torch.float32) / flat.numel()
+    gathered = bits.view(torch.uint64) * _GATHER_BITS  # little-endian words: byte 7 is bits 56..63
+    packed = gathered.view(torch.uint8).view(-1, 8)[:, 7].contiguous()
+    scale = torch.linalg.vector_norm(flat, 1, dtype=torch.float32) / flat.numel()
     return packed, scale
 
 
-def _bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The sign bits (0 or 1, uint8) of the last dimension of `packed`, cut to `numel`."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(-1) >> shifts) & 1
-    return bits.flatten(-2)[..., :numel]
+def _byte_table(packed: torch.Tensor, if_set: torch.Tensor, if_clear: torch.Tensor) -> torch.Tensor:
+    """Row b: `if_set` where bit i of byte b is 1, else `if_clear` (a 256 × 8 lookup table)."""
+    bits = _BITS_OF_BYTE.to(packed.device).bool()
+    return torch.where(bits, if_set, if_clear)
+
+
+def _lookup(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Each byte of the last dimension of `packed` replaced by its table row, cut to `numel`."""
+    rows = table.index_select(0, packed.reshape(-1).long())
+    return rows.view(*packed.shape[:-1], -1)[..., :numel]
 
 
 def sign_unpack(packed, scale, numel, dtype=torch.float32):
@@ -41,14 +52,16 @@ def sign_unpack(packed, scale, numel, dtype=torch.float32):
     packed = common.packed_args("sign_unpack", packed, numel, ranks=False)
     dtype = common.output_dtype("sign_unpack", dtype)
     scale = common.scalar("sign_unpack", "scale", scale, packed.device)
-    values = torch.where(_bits(packed, numel).bool(), scale, -scale)
-    return values.to(dtype)
+    return _lookup(_byte_table(packed, scale, -scale).to(dtype), packed, numel)
 
 
 def sign_majority_unpack(packed_all_ranks, numel):
     """Majority vote over ranks: sign(Σ_ranks ±1) per element as float32, 0 where the vote ties."""
     packed = common.packed_args("sign_majority_unpack", packed_all_ranks, numel, ranks=True)
-    votes = (2 * _bits(packed, numel).to(torch.int32) - 1).sum(dim=0)
+    table = _byte_table(packed, torch.tensor(1, dtype=torch.int32), torch.tensor(-1, dtype=torch.int32))
+    votes = torch.zeros(numel, dtype=torch.int32, device=packed.device)
+    for row in packed:
+        votes += _lookup(table, row, numel)
     return torch.sign(votes).to(torch.float32)
 
 
@@ -70,9 +83,6 @@ def count_above(x, t):
 
 
 def topk_by_threshold(x, k, samples=None, seed=0):
-    """(values, indices) of the k largest |x| over x.reshape(-1), largest first: exact torch.topk
-    (`samples` and `seed` are accepted for the kernels' signature and not needed)."""
+    """The exact top k through the torch threshold estimate (common.select_topk)."""
     x = common.topk_args("topk_by_threshold", x, k, samples, seed)
-    flat = x.reshape(-1)
-    indices = torch.topk(flat.abs(), k).indices
-    return flat[indices], indices
+    return common.select_topk(x, k, samples, seed, topk_threshold)

@@ -81,8 +81,15 @@ class SignSGD(GatheredWithFeedback):
             voters = scales > 0  # a rank without a gradient sends zeros (scale 0): it abstains
             votes = sign_majority_unpack(packed[voters], numel) if bool(voters.any()) else \
                 torch.zeros(numel, device=packed.device)
-            decoded = votes * scales.mean()
-        else:
-            decoded = sum(sign_unpack(packed[r], scales[r], numel) for r in range(self.world_size))
-            decoded = decoded / self.world_size
-        gradient.copy_(decoded)
+            gradient.copy_(votes * scales.mean())
+            return
+        # (1/W)·Σ_r s_r·sign(p_r), summed in float32 one rank at a time
+        total = gradient if gradient.dtype == torch.float32 else torch.empty(numel, device=gradient.device)
+        for rank in range(self.world_size):
+            sent = sign_unpack(packed[rank], scales[rank] / self.world_size, numel)
+            if rank == 0:
+                total.copy_(sent)
+            else:
+                total.add_(sent)
+        if total is not gradient:
+            gradient.copy_(total)
