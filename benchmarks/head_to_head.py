@@ -2,9 +2,10 @@
 
 Each setting (model × ranks × network) runs as one job on the netbed (one rank per network
 namespace, `tc`-shaped links): every rank holds one copy of the model per row, plus a copy trained
-without communication (the compute-only reference). Rows run interleaved in blocks — A A B B … A A
-B B — after warm-up rounds that cover gradsync's profile measurement, DDP's bucket rebuild and the
-compressors' uncompressed start; each block starts after a barrier, and gradsync's last deferred
+without communication (the compute-only reference). Each gradsync row first runs alone until it
+has measured its profile and, for `auto`, timed its plans. Then rows run interleaved in blocks —
+A A B B … A A B B — after warm-up rounds (DDP's bucket rebuild, the compressors' uncompressed start);
+each block starts after a barrier, and gradsync's last deferred
 updates are applied inside the block, so plans that overlap the next forward pass keep that
 overlap within the block and never borrow another row's time. A block's time is its slowest
 rank's. One all-reduce cost model is measured per job and given to every gradsync row.
@@ -48,6 +49,7 @@ START_ITER = 2  # uncompressed steps before compression (the least the torch hoo
 LEARNING_RATE = 0.01
 ONE_BUCKET_MB = 1024  # larger than any model here
 COMPUTE_ONLY = "compute only"
+CALIBRATION_LIMIT = 100  # steps a gradsync row may take to measure its profile and time its plans
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -164,6 +166,9 @@ class Variant:
 
     def block(self, inputs: torch.Tensor, labels: torch.Tensor, iterations: int, timed: bool) -> None:
         """`iterations` steps after a barrier; gradsync's deferred updates are applied before the clock stops."""
+        if timed and self.gradsync and attached(self.model).measurement is not None:
+            raise RuntimeError(f"row {self.label!r} is still calibrating or timing plans in a timed block: "
+                               "raise --warmup-rounds")
         dist.barrier()
         started = time.perf_counter()
         try:
@@ -181,6 +186,15 @@ class Variant:
                 self.comm_wait.append((sum(s.comm_wait for s in recent) + settled) / iterations)
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
 
+    def calibrate(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        """Consecutive steps until gradsync has measured its profile and timed its plans (no other
+        row runs in between, so that the plan trials time this row alone)."""
+        for _ in range(CALIBRATION_LIMIT):
+            if not self.gradsync or attached(self.model).measurement is None:
+                return
+            self.step(inputs, labels)
+        raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
+
     def settle(self) -> float:
         """Seconds spent waiting for gradsync's outstanding ops and applying deferred updates."""
         if not self.gradsync:
@@ -193,6 +207,7 @@ class Variant:
         report = {"seconds": self.seconds, "comm_wait": self.comm_wait, "predicted": self.predicted}
         if self.gradsync:
             report["plan"] = attached(self.model).plan.options.get("chosen")  # what `auto` picked
+            report["trials"] = attached(self.model).trial_times  # the plans `auto` timed, if any
         return report
 
 
@@ -242,6 +257,8 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     variants += [make_variant(ROWS[key], base, cost, job["topology"]) for key in job["rows"]]
     generator = torch.Generator().manual_seed(rank)
     inputs, labels = workload.make_inputs(workload.batch, generator), torch.randint(0, 10, (workload.batch,), generator=generator)
+    for variant in variants:
+        variant.calibrate(inputs, labels)
     for round_index in range(job["warmup_rounds"] + job["rounds"]):
         for variant in variants:
             variant.block(inputs, labels, job["block"], timed=round_index >= job["warmup_rounds"])
@@ -271,6 +288,7 @@ class RowResult:
     comm: float | None  # non-overlapped communication
     predicted: float | None
     plan: str | None
+    trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
 
     @property
     def error(self) -> float | None:
@@ -297,7 +315,7 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
                                median_over_blocks(label, "predicted", statistics.fmean))
         else:
             comm, predicted = (None if label == COMPUTE_ONLY else max(0.0, seconds - compute)), None
-        results[label] = RowResult(label, seconds, comm, predicted, row.get("plan"))
+        results[label] = RowResult(label, seconds, comm, predicted, row.get("plan"), row.get("trials"))
     return results
 
 
@@ -319,6 +337,8 @@ def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:
     for label, row in results.items():
         ratio = speedup(results, label)
         name = f"{label} (→ {row.plan})" if row.plan else label
+        if row.trials:
+            name = name[:-1] + "; timed " + ", ".join(f"{plan} {seconds * 1e3:.0f}" for plan, seconds in row.trials) + " ms)"
         lines.append("| " + " | ".join([
             name, f"{row.seconds * 1e3:.1f}", "—" if ratio is None else f"{ratio:.2f}×",
             "—" if row.comm is None else f"{row.comm * 1e3:.1f}",
@@ -376,7 +396,8 @@ NOTES = [
     " torch rows, the row's time minus the compute-only time (forward, backward and step without"
     " communication, measured in the same interleaved loop). Predicted: the simulator's iteration time"
     " for the plan the row ran (from its measured profile and the job's fitted cost); error = (predicted −"
-    " measured) / measured. `→` names the planner `auto` chose.",
+    " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"
+    " trials: 3 iterations each, run alone; the slowest rank's median) before choosing.",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"
     " PowerSGD hook and gradsync's powersgd and acp_sgd alike; plain SGD (lr 0.01) everywhere. The PowerSGD"
     " hook row runs DDP with one bucket: on gloo the hook's second all-reduce is launched from a callback"

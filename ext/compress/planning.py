@@ -72,3 +72,25 @@ def predict_cycle(profile: ModelProfile, cost: CostModel, scheduler: str, codec:
     layout_plans = plan_layouts(profile, cost, scheduler, codec, options, flops_per_second)
     cycle = codec.steady_rounds()
     return layout_plans, sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
+
+
+def auto_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, options: dict, count: int) -> list[dict]:
+    """Up to `count` option sets of the `auto` planner worth timing: `options` themselves (auto's
+    choice), then `options` restricted to one candidate planner each, best predicted cycle time
+    first, skipping any whose plans equal one already listed. `codec` must be set up."""
+    pool = options.get("candidates") or [name for name in planners.names() if name != "auto"]
+    chosen = plan_layouts(profile, cost, "auto", codec, options)
+    seen = {tuple(entry.plan.hash for entry in chosen.values())}
+    ranked = []
+    for name in pool:
+        single = {**options, "candidates": (name,)}
+        layout_plans, predicted = predict_cycle(profile, cost, "auto", codec, single)
+        ranked.append((predicted, name, single, tuple(entry.plan.hash for entry in layout_plans.values())))
+    alternatives = [dict(options)]
+    for _, _, single, hashes in sorted(ranked, key=lambda item: (item[0], item[1])):
+        if len(alternatives) >= count:
+            break
+        if hashes not in seen:
+            seen.add(hashes)
+            alternatives.append(single)
+    return alternatives[:count]

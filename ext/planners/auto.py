@@ -11,9 +11,11 @@ from ..profile import ModelProfile
 from ..simulate import simulate
 from .options import reject_unknown
 
+DEFAULT_TOLERANCE = 0.02
+
 
 def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | None = None,
-         tolerance: float = 0.02, **options) -> Plan:
+         tolerance: float = DEFAULT_TOLERANCE, **options) -> Plan:
     """The candidate plan with the smallest simulated iteration time, where a later candidate
     (the registry lists simpler planners first) replaces the best so far only when it is faster by
     more than `tolerance` of that time: the simulator does not charge what extra ops and updates in

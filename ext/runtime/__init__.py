@@ -44,6 +44,7 @@ def wrap(
     broadcast_buffers: bool = True,
     warmup_iterations: int = 1,
     measure_iterations: int = 3,
+    plan_trials: int = 3,
     transport: str = "allreduce",
     topology=None,
     **options,
@@ -54,7 +55,10 @@ def wrap(
     `compressor`: a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
     `profile`/`cost`: an object, a JSON path, or ``"measure"`` (the first `warmup_iterations` +
     `measure_iterations` iterations run as WFBP while layers are timed; the cost is fitted from
-    timed all-reduces at wrap time). `channels`: process groups for simultaneous all-reduces
+    timed all-reduces at wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
+    once the profile is measured, auto's choice and the next best predicted plans, up to this many,
+    run three iterations each (after one to settle) and the fastest measured is kept; below 2, auto's
+    choice is kept untimed. `channels`: process groups for simultaneous all-reduces
     (default 2; passed to planners that take it). `nonfinite`: ``"raise"`` (name the parameter),
     ``"skip"`` (skip the step on every rank) or ``"ignore"``. `transport`: ``"allreduce"`` (the
     backend's) or ``"forest"`` (reduce/broadcast trees packed on `topology`: a Topology, a preset
@@ -62,8 +66,8 @@ def wrap(
     Every argument is checked before the first collective.
     """
     arguments = check_wrap_arguments(scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite,
-                                     broadcast_buffers, warmup_iterations, measure_iterations, transport, topology,
-                                     **options)
+                                     broadcast_buffers, warmup_iterations, measure_iterations, plan_trials,
+                                     transport, topology, **options)
     return attach(model, optimizer, arguments, process_group)
 
 
@@ -99,7 +103,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         sync.install_plan(skeleton, cost, planner_name="wfbp")
         sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
                                               arguments.measure_iterations, type(model).__name__,
-                                              codec.steady_rounds())
+                                              codec.steady_rounds(), arguments.plan_trials)
     return model, SyncedOptimizer(optimizer, sync)
 
 

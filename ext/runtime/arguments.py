@@ -32,6 +32,7 @@ class WrapArguments:
     broadcast_buffers: bool
     warmup_iterations: int
     measure_iterations: int
+    plan_trials: int = 3
     planner_options: dict = field(default_factory=dict)
     transport: str = "allreduce"
     topology: Topology | None = None  # forest only; None: the complete graph of the ranks
@@ -40,8 +41,8 @@ class WrapArguments:
 def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int | None = None,
                          profile="measure", cost="measure", trace=None, timeout: float = 600.0,
                          nonfinite: str = "raise", broadcast_buffers: bool = True, warmup_iterations: int = 1,
-                         measure_iterations: int = 3, transport: str = "allreduce", topology=None,
-                         **options) -> WrapArguments:
+                         measure_iterations: int = 3, plan_trials: int = 3, transport: str = "allreduce",
+                         topology=None, **options) -> WrapArguments:
     """``wrap``'s arguments (see there) checked: ConfigError naming the argument otherwise."""
     planner = planners.get(scheduler)
     codec = compress.build(compressor)
@@ -52,7 +53,8 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
         raise ConfigError(f"'timeout' must be a number of seconds > 0, got {timeout!r}")
     check_nonfinite_mode(nonfinite)
     network = _topology(transport, topology, codec)
-    for name, value, least in (("warmup_iterations", warmup_iterations, 0), ("measure_iterations", measure_iterations, 1)):
+    for name, value, least in (("warmup_iterations", warmup_iterations, 0), ("measure_iterations", measure_iterations, 1),
+                               ("plan_trials", plan_trials, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{name!r} must be an integer >= {least}, got {value!r}")
     if trace is not None and not isinstance(trace, (str, Path)):
@@ -67,7 +69,7 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
         profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
         cost=_load(cost, "cost", lambda path: CostModel(**_read_json(path)), CostModel),
         trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=bool(broadcast_buffers),
-        warmup_iterations=warmup_iterations, measure_iterations=measure_iterations,
+        warmup_iterations=warmup_iterations, measure_iterations=measure_iterations, plan_trials=plan_trials,
         planner_options=planner_options, transport=transport, topology=network,
     )
 

@@ -82,6 +82,7 @@ class GradSync:
         self.cost: CostModel | None = None
         self.executor: PlanExecutor | None = None  # the one running the current iteration
         self.measurement = None
+        self.trial_times: list[tuple[str, float]] | None = None  # auto's timed plans (PlanTrials)
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
@@ -103,11 +104,14 @@ class GradSync:
         _ATTACHED[model] = self
 
     # -- planning ----------------------------------------------------------------------------------
-    def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None) -> None:
+    def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None,
+                     options: dict | None = None) -> None:
         """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
-        rank), check the hashes on every rank, and execute the plans from the next backward pass."""
+        rank), check the hashes on every rank, and execute the plans from the next backward pass.
+        `options` replace the planner options given at wrap (the calibration plan takes none)."""
         planner = planner_name or self.planner_name
-        options = self.planner_options if planner == self.planner_name else {}  # the calibration plan takes none
+        if options is None:
+            options = self.planner_options if planner == self.planner_name else {}
         layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
                         for layout, entry in plan_layouts(profile, cost, planner, self.codec, options).items()}
         plans = {layout: entry.plan for layout, entry in layout_plans.items()}

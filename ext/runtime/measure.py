@@ -13,6 +13,7 @@ with the same inputs.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -20,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import share_from_first
+from ..compress.planning import auto_alternatives
 from ..cost import CostModel
+from ..planners.auto import DEFAULT_TOLERANCE
 from ..profile import ModelProfile
 from .channels import Channels
 from .layout import ParameterLayout
@@ -145,14 +148,36 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
                          measured[len(sizes):], name="measured", clamp=True)
 
 
-class ProfileCalibration:
+class Measurement:
+    """What the engine reports to a measurement in progress (``GradSync.measurement``); by default
+    nothing is done with it."""
+
+    def forward_start(self) -> None:
+        pass
+
+    def module_start(self, module_name: str) -> None:
+        pass
+
+    def gradient_ready(self, name: str) -> None:
+        pass
+
+    def exclude(self, seconds: float) -> None:
+        pass
+
+    def iteration_done(self, sync) -> None:
+        pass
+
+
+class ProfileCalibration(Measurement):
     """Runs `warmup` + `iterations` iterations under the initial plan, timing layers in the last
     `iterations`, then installs the planner's plan built on rank 0's measured profile. When some
     timed iterations were not in the codec's steady state, timing goes on under that plan until
-    `iterations` steady ones are counted, and the plan is made again on their profile."""
+    `iterations` steady ones are counted, and the plan is made again on their profile. With the
+    `auto` planner and `plan_trials` > 1, the plans worth comparing are then timed (PlanTrials)."""
 
     def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str,
-                 steady_rounds: list[tuple[str, ...]]):
+                 steady_rounds: list[tuple[str, ...]], plan_trials: int = 0):
+        self.plan_trials = plan_trials
         self.timer = LayerTimer(layout)
         self.cost = cost
         self.warmup = warmup
@@ -193,8 +218,69 @@ class ProfileCalibration:
         sync.install_plan(ModelProfile.from_dict(measured), self.cost)
         if self.all_steady:
             self.timer.remove()
-            sync.measurement = None
+            sync.measurement = PlanTrials.start(sync, ModelProfile.from_dict(measured), self.cost, self.plan_trials)
         else:
             self.timer.clear()
             self.update_samples.clear()
             self.planned, self.counted, self.all_steady = True, 0, True
+
+
+TRIAL_ITERATIONS = 3  # timed per trial, after one to settle; rounded up to whole codec cycles
+
+
+def kept_trial(seconds: list[float], tolerance: float) -> int:
+    """The index of the trial to keep: the fastest, unless trial 0 (auto's choice) is within
+    `tolerance` of it; among equal times the earliest."""
+    fastest = min(range(len(seconds)), key=seconds.__getitem__)
+    return 0 if seconds[fastest] >= seconds[0] * (1 - tolerance) else fastest
+
+
+class PlanTrials(Measurement):
+    """Times the plans of `alternatives` (auto's option sets, auto's own choice first) for
+    `iterations` iterations each, after one iteration to settle the switch, and keeps the plan
+    with the smallest median iteration time, the slowest rank's; auto's own choice stays unless
+    that is faster by more than auto's `tolerance` (measurements are noisy too)."""
+
+    def __init__(self, sync, profile: ModelProfile, cost: CostModel, alternatives: list[dict], iterations: int):
+        self.profile, self.cost = profile, cost
+        self.alternatives = alternatives
+        self.iterations = iterations
+        self.medians: list[float] = []
+        self.labels: list[str] = []  # the planners each trial's plans came from
+        self._install(sync, 0)
+
+    @classmethod
+    def start(cls, sync, profile: ModelProfile, cost: CostModel, count: int) -> "PlanTrials | None":
+        """Trials of up to `count` plans of the `auto` planner; None when there is nothing to
+        compare (another planner, `count` < 2, or every candidate makes the same plans)."""
+        if sync.planner_name != "auto" or count < 2:
+            return None
+        alternatives = auto_alternatives(profile, cost, sync.codec, sync.planner_options, count)
+        if len(alternatives) < 2:
+            return None
+        cycle = len(sync.codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
+        return cls(sync, profile, cost, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle))
+
+    def _install(self, sync, index: int) -> None:
+        sync.install_plan(self.profile, self.cost, options=self.alternatives[index])
+        self.labels.append("/".join(sorted({plan.options["chosen"] for plan in sync.plans.values()})))
+        self.settling, self.samples = True, []
+
+    def iteration_done(self, sync) -> None:
+        if self.settling:  # this iteration's forward still applied the previous plan's deferred updates
+            self.settling = False
+            return
+        self.samples.append(sync.history[-1].iteration_time)
+        if len(self.samples) < self.iterations:
+            return
+        self.medians.append(_median(self.samples))
+        if len(self.medians) < len(self.alternatives):
+            self._install(sync, len(self.medians))
+            return
+        slowest = torch.tensor(self.medians, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
+        self.medians = slowest.tolist()
+        fastest = kept_trial(self.medians, sync.planner_options.get("tolerance", DEFAULT_TOLERANCE))
+        sync.install_plan(self.profile, self.cost, options=self.alternatives[fastest])
+        sync.trial_times = list(zip(self.labels, self.medians))
+        sync.measurement = None

@@ -1,0 +1,121 @@
+"""Interference on the emulated cluster: how much slower a model's forward and backward pass runs
+while all-reduces are in flight beside it.
+
+The simulator (gradsync.simulate) takes compute times from a profile and communication times from
+a + b·bytes, each measured on its own; it assumes the two do not slow each other down. On this
+testbed the ranks, gloo's threads and the kernel's network stack share the machine's cores, so
+that assumption is measured here, per model, number of ranks and NIC rate:
+
+- compute alone: one forward and backward pass (no communication), median;
+- compute beside traffic: the same pass, started right after launching enough back-to-back
+  all-reduces of the model's gradient size (asynchronous, on their own process group) to outlast
+  it, median; the traffic is then waited for;
+- slowdown = beside / alone, the slowest rank's.
+
+    .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 3 minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.head_to_head import WORKLOADS
+from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform
+
+RESULTS = Path(__file__).parent / "results"
+TRAFFIC_MARGIN = 1.5  # the traffic launched lasts this many times the compute alone
+
+
+def rank_main(rank: int, world_size: int, job: dict) -> dict:
+    """Median compute time alone and beside traffic on this rank (seconds), and the traffic's size."""
+    torch.manual_seed(0)
+    workload = WORKLOADS[job["model"]]
+    model = workload.build_model()
+    generator = torch.Generator().manual_seed(rank)
+    inputs = workload.make_inputs(workload.batch, generator)
+    labels = torch.randint(0, 10, (workload.batch,), generator=generator)
+    group = dist.new_group(backend="gloo")
+    gradient = torch.ones(sum(p.numel() for p in model.parameters()))
+
+    def compute() -> float:
+        started = time.perf_counter()
+        model.zero_grad()
+        F.cross_entropy(model(inputs), labels).backward()
+        return time.perf_counter() - started
+
+    def allreduce() -> float:
+        started = time.perf_counter()
+        dist.all_reduce(gradient, group=group)
+        return time.perf_counter() - started
+
+    for _ in range(2):  # warm-up
+        compute(), allreduce()
+    alone = statistics.median(compute() for _ in range(job["repeats"]))
+    one_op = statistics.median(allreduce() for _ in range(job["repeats"]))
+    slowest = torch.tensor([alone, one_op], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the same numbers, so the same ops, on every rank
+    ops = max(1, math.ceil(TRAFFIC_MARGIN * slowest[0].item() / slowest[1].item()))
+    buffers = [gradient.clone() for _ in range(ops)]
+    beside = []
+    for _ in range(job["repeats"]):
+        dist.barrier()
+        works = [dist.all_reduce(buffer, group=group, async_op=True) for buffer in buffers]
+        beside.append(compute())
+        for work in works:
+            work.wait()
+    return {"alone": alone, "beside": statistics.median(beside), "ops": ops, "op_seconds": slowest[1].item()}
+
+
+def run(args) -> list[str]:
+    rows = []
+    for world_size in args.world_sizes:
+        for rate in args.rates:
+            with netbed(uniform(world_size, rate)):
+                for model in args.models:
+                    print(f"running: {model}, {world_size} ranks, {rate}", flush=True)
+                    reports = launch("benchmarks.interference:rank_main", world_size,
+                                     {"model": model, "repeats": args.repeats}, timeout=args.timeout)
+                    alone = max(r["alone"] for r in reports)
+                    beside = max(r["beside"] for r in reports)
+                    rows.append(f"| {model} | {world_size} | {rate} | {alone * 1e3:.1f} | {beside * 1e3:.1f} | "
+                                f"{beside / alone:.2f}× | {reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
+    return rows
+
+
+def main(argv=None) -> None:
+    cli = argparse.ArgumentParser(prog="python -m benchmarks.interference", description=__doc__.splitlines()[0])
+    cli.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    cli.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
+    cli.add_argument("--rates", nargs="+", choices=list(RATE_PRESETS), default=list(RATE_PRESETS))
+    cli.add_argument("--repeats", type=int, default=9)
+    cli.add_argument("--timeout", type=float, default=600.0, help="seconds per job before its ranks are killed")
+    cli.add_argument("--out", type=Path, default=RESULTS / "interference.md")
+    args = cli.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    try:
+        rows = run(args)
+    except NetbedUnavailable as missing:
+        sys.exit(f"interference: {missing}")
+    lines = ["# Interference: compute beside communication on the emulated cluster", "",
+             f"Command: `python -m benchmarks.interference`. {os.cpu_count()} CPU cores shared by the ranks (one "
+             f"thread each) and gloo; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+             f"medians of {args.repeats} passes, the slowest rank's.", "",
+             "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
+             "that outlast it (the simulator assumes the two do not slow each other down).", "",
+             "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | traffic: ops × ms alone |",
+             "|---|---|---|---|---|---|---|", *rows, ""]
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""auto's plan trials: the plans worth comparing are timed on the live job and the fastest kept."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync import compress, planners
+from gradsync.compress.planning import auto_alternatives, predict_cycle
+from gradsync.cost import CostModel
+from gradsync.launch import run_local
+from gradsync.profile import zoo
+from gradsync.runtime import attached
+from gradsync.runtime.measure import kept_trial
+from runtime_models import TiedNet, batch
+
+
+@pytest.mark.parametrize("seconds, tolerance, kept", [
+    ([1.0, 0.9, 0.95], 0.02, 1),  # the fastest, by more than the tolerance
+    ([1.0, 0.99, 1.2], 0.02, 0),  # within the tolerance: auto's choice stays
+    ([1.0, 0.97, 0.97], 0.02, 1),  # a tie: the earlier
+    ([1.0, 0.99], 0.0, 1),
+    ([0.5, 0.6, 0.7], 0.02, 0),
+])
+def test_kept_trial(seconds, tolerance, kept):
+    assert kept_trial(seconds, tolerance) == kept
+
+
+@pytest.mark.parametrize("compressor", [None, {"type": "acp_sgd", "rank": 4}])
+def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor):
+    profile = zoo("resnet50")
+    cost = CostModel.preset("asc-wfbp-10gbe", 8)
+    codec = compress.build(compressor)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
+    alternatives = auto_alternatives(profile, cost, codec, {}, 3)
+    assert alternatives[0] == {} and len(alternatives) == 3
+    # brute force: every candidate's predicted cycle, and its plans
+    pool = [name for name in planners.names() if name != "auto"]
+    outcomes = {}
+    for name in pool:
+        plans, seconds = predict_cycle(profile, cost, "auto", codec, {"candidates": (name,)})
+        outcomes[name] = (seconds, tuple(entry.plan.hash for entry in plans.values()))
+    chosen = tuple(entry.plan.hash for entry in predict_cycle(profile, cost, "auto", codec, {})[0].values())
+    expected, seen = [], {chosen}
+    for name in sorted(pool, key=lambda n: (outcomes[n][0], n)):
+        if outcomes[name][1] not in seen and len(expected) < 2:
+            seen.add(outcomes[name][1])
+            expected.append({"candidates": (name,)})
+    assert alternatives[1:] == expected
+
+
+def training_with_trials(rank, world_size):
+    """20 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
+    torch.manual_seed(3)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    make = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
+    model, optimizer = gradsync.wrap(model, make(model.parameters()), scheduler="auto",
+                                     candidates=("wfbp", "ddp", "us_byte"), plan_trials=3)
+    ref_optimizer = make(reference.parameters())
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (optimizer, ref_optimizer)]
+    for step in range(20):
+        for net, opt in ((model, optimizer), (reference, ref_optimizer)):
+            opt.zero_grad()
+            tokens, targets = batch(rank, step)
+            F.cross_entropy(net(tokens, use_rank0_branch=rank == 0), targets).backward()
+            opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+    optimizer.synchronize()
+    sync = attached(model)
+    error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    result = {"error": error, "trials": sync.trial_times, "chosen": sync.plan.options["chosen"],
+              "measuring": sync.measurement is not None}
+    sync.detach()
+    return result
+
+
+def test_trials_time_each_plan_keep_the_fastest_and_train_like_ddp():
+    results = run_local(training_with_trials, 2, timeout=300)
+    assert results[0]["trials"] == results[1]["trials"]  # one decision on every rank
+    labels = [label for label, _ in results[0]["trials"]]
+    seconds = [s for _, s in results[0]["trials"]]
+    assert len(labels) >= 2 and len(set(labels)) == len(labels)
+    assert set(labels) <= {"wfbp", "ddp", "us_byte"}
+    for result in results:
+        assert result["chosen"] == labels[kept_trial(seconds, 0.02)]
+        assert not result["measuring"]
+        assert result["error"] < 1e-5
