@@ -35,6 +35,7 @@ bench: install
 	$(PY) benchmarks/forest_netbed.py
 	$(PY) -m benchmarks.head_to_head --topology 2x2-pcie --inter-gbps 1 --out benchmarks/results/head_to_head_topology.md
 	$(PY) -m benchmarks.head_to_head
+	$(PY) -m benchmarks.interference > /dev/null && echo "wrote benchmarks/results/interference.md"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
