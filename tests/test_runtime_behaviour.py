@@ -223,6 +223,8 @@ def test_trace_and_stats(tmp_path):
         ({"scheduler": "wfbp", "bucket": 3}, "unknown option"),
         ({"compressor": "zip"}, "compressor"),
         ({"profile": "/nonexistent.json"}, "no such file"),
+        ({"plan_trials": -1}, "'plan_trials' must be an integer >= 0"),
+        ({"plan_trials": 2.5}, "'plan_trials' must be an integer >= 0"),
     ],
 )
 def test_bad_arguments_fail_before_any_collective(kwargs, message):
