@@ -214,11 +214,13 @@ class ProfileCalibration(Measurement):
         if self.counted < self.iterations:
             return
         profile = self.timer.profile(self.name, _median(self.update_samples))
-        measured = share_from_first(profile.to_dict(), sync.channels.process_group)
-        sync.install_plan(ModelProfile.from_dict(measured), self.cost)
+        measured = ModelProfile.from_dict(share_from_first(profile.to_dict(), sync.channels.process_group))
+        trials = PlanTrials.start(sync, measured, self.cost, self.plan_trials) if self.all_steady else None
+        if trials is None:
+            sync.install_plan(measured, self.cost)
         if self.all_steady:
             self.timer.remove()
-            sync.measurement = PlanTrials.start(sync, ModelProfile.from_dict(measured), self.cost, self.plan_trials)
+            sync.measurement = trials
         else:
             self.timer.clear()
             self.update_samples.clear()
@@ -251,8 +253,9 @@ class PlanTrials(Measurement):
 
     @classmethod
     def start(cls, sync, profile: ModelProfile, cost: CostModel, count: int) -> "PlanTrials | None":
-        """Trials of up to `count` plans of the `auto` planner; None when there is nothing to
-        compare (another planner, `count` < 2, or every candidate makes the same plans)."""
+        """Trials of up to `count` plans of the `auto` planner, the first one installed; None, and
+        nothing installed, when there is nothing to compare (another planner, `count` < 2, or
+        every candidate makes the same plans)."""
         if sync.planner_name != "auto" or count < 2:
             return None
         alternatives = auto_alternatives(profile, cost, sync.codec, sync.planner_options, count)
@@ -281,6 +284,7 @@ class PlanTrials(Measurement):
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
         self.medians = slowest.tolist()
         fastest = kept_trial(self.medians, sync.planner_options.get("tolerance", DEFAULT_TOLERANCE))
-        sync.install_plan(self.profile, self.cost, options=self.alternatives[fastest])
+        if fastest != len(self.alternatives) - 1:  # else the last trial's plans are installed
+            sync.install_plan(self.profile, self.cost, options=self.alternatives[fastest])
         sync.trial_times = list(zip(self.labels, self.medians))
         sync.measurement = None
