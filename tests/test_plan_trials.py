@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync import compress, planners
-from gradsync.compress.planning import auto_alternatives, predict_cycle
+from gradsync.compress.planning import plan_alternatives, predict_cycle
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.profile import zoo
@@ -33,7 +33,7 @@ def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor
     cost = CostModel.preset("asc-wfbp-10gbe", 8)
     codec = compress.build(compressor)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
-    alternatives = auto_alternatives(profile, cost, codec, {}, 3)
+    alternatives = plan_alternatives(profile, cost, codec, "auto", {}, 3)
     assert alternatives[0] == {} and len(alternatives) == 3
     # brute force: every candidate's predicted cycle, and its plans
     pool = [name for name in planners.names() if name != "auto"]

@@ -74,17 +74,20 @@ def predict_cycle(profile: ModelProfile, cost: CostModel, scheduler: str, codec:
     return layout_plans, sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
 
 
-def auto_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, options: dict, count: int) -> list[dict]:
-    """Up to `count` option sets of the `auto` planner worth timing: `options` themselves (auto's
-    choice), then `options` restricted to one candidate planner each, best predicted cycle time
-    first, skipping any whose plans equal one already listed. `codec` must be set up."""
-    pool = options.get("candidates") or [name for name in planners.names() if name != "auto"]
-    chosen = plan_layouts(profile, cost, "auto", codec, options)
+def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: str, options: dict,
+                      count: int) -> list[dict]:
+    """Up to `count` option sets of a planner that chooses among `candidates` (``auto``) worth
+    timing: `options` themselves (its own choice), then `options` restricted to one candidate
+    each, best predicted cycle time first, skipping any whose plans equal one already listed.
+    The candidates are `options`' or every planner that does not choose among others. `codec`
+    must be set up."""
+    pool = options.get("candidates") or [name for name in planners.names() if not chooses_among_planners(name)]
+    chosen = plan_layouts(profile, cost, planner, codec, options)
     seen = {tuple(entry.plan.hash for entry in chosen.values())}
     ranked = []
     for name in pool:
         single = {**options, "candidates": (name,)}
-        layout_plans, predicted = predict_cycle(profile, cost, "auto", codec, single)
+        layout_plans, predicted = predict_cycle(profile, cost, planner, codec, single)
         ranked.append((predicted, name, single, tuple(entry.plan.hash for entry in layout_plans.values())))
     alternatives = [dict(options)]
     for _, _, single, hashes in sorted(ranked, key=lambda item: (item[0], item[1])):
@@ -93,4 +96,9 @@ def auto_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, opti
         if hashes not in seen:
             seen.add(hashes)
             alternatives.append(single)
-    return alternatives[:count]
+    return alternatives
+
+
+def chooses_among_planners(name: str) -> bool:
+    """Whether planner `name` picks one of other planners' plans (it takes `candidates`)."""
+    return "candidates" in planners.option_names(name)

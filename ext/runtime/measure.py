@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import share_from_first
-from ..compress.planning import auto_alternatives
+from ..compress.planning import chooses_among_planners, plan_alternatives
 from ..cost import CostModel
 from ..planners.auto import DEFAULT_TOLERANCE
 from ..profile import ModelProfile
@@ -153,27 +153,28 @@ class Measurement:
     nothing is done with it."""
 
     def forward_start(self) -> None:
-        pass
+        """A forward pass begins."""
 
     def module_start(self, module_name: str) -> None:
-        pass
+        """The forward of owner module `module_name` begins."""
 
     def gradient_ready(self, name: str) -> None:
-        pass
+        """The gradient of parameter `name` is computed."""
 
     def exclude(self, seconds: float) -> None:
-        pass
+        """`seconds` of the current forward were spent on deferred updates, not on the layer."""
 
     def iteration_done(self, sync) -> None:
-        pass
+        """A synchronised iteration of `sync` has ended."""
 
 
 class ProfileCalibration(Measurement):
     """Runs `warmup` + `iterations` iterations under the initial plan, timing layers in the last
     `iterations`, then installs the planner's plan built on rank 0's measured profile. When some
     timed iterations were not in the codec's steady state, timing goes on under that plan until
-    `iterations` steady ones are counted, and the plan is made again on their profile. With the
-    `auto` planner and `plan_trials` > 1, the plans worth comparing are then timed (PlanTrials)."""
+    `iterations` steady ones are counted, and the plan is made again on their profile. With a
+    planner that chooses among others (``auto``) and `plan_trials` > 1, the plans worth comparing
+    are then timed (PlanTrials)."""
 
     def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str,
                  steady_rounds: list[tuple[str, ...]], plan_trials: int = 0):
@@ -253,12 +254,12 @@ class PlanTrials(Measurement):
 
     @classmethod
     def start(cls, sync, profile: ModelProfile, cost: CostModel, count: int) -> "PlanTrials | None":
-        """Trials of up to `count` plans of the `auto` planner, the first one installed; None, and
-        nothing installed, when there is nothing to compare (another planner, `count` < 2, or
-        every candidate makes the same plans)."""
-        if sync.planner_name != "auto" or count < 2:
+        """Trials of up to `count` plans of a planner that chooses among others, the first one
+        installed; None, and nothing installed, when there is nothing to compare (a planner that
+        does not choose, `count` < 2, or every candidate makes the same plans)."""
+        if count < 2 or not chooses_among_planners(sync.planner_name):
             return None
-        alternatives = auto_alternatives(profile, cost, sync.codec, sync.planner_options, count)
+        alternatives = plan_alternatives(profile, cost, sync.codec, sync.planner_name, sync.planner_options, count)
         if len(alternatives) < 2:
             return None
         cycle = len(sync.codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
