@@ -4,10 +4,10 @@ Each setting (model × ranks × network) runs as one job on the netbed (one rank
 namespace, `tc`-shaped links): every rank holds one copy of the model per row, plus a copy trained
 without communication (the compute-only reference). Each gradsync row first runs alone until it
 has measured its profile and, for `auto`, timed its plans. Then rows run interleaved in blocks —
-A A B B … A A B B — after warm-up rounds (DDP's bucket rebuild, the compressors' uncompressed start);
-each block starts after a barrier, and gradsync's last deferred
-updates are applied inside the block, so plans that overlap the next forward pass keep that
-overlap within the block and never borrow another row's time. A block's time is its slowest
+A A B B … A A B B — after warm-up rounds (DDP's bucket rebuild, the compressors' uncompressed
+start); each block starts after a barrier, and gradsync's last deferred updates are applied inside
+the block, so plans that overlap the next forward pass keep that overlap within the block and never
+borrow another row's time. A block's time is its slowest
 rank's. One all-reduce cost model is measured per job and given to every gradsync row.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
 
@@ -166,9 +166,6 @@ class Variant:
 
     def block(self, inputs: torch.Tensor, labels: torch.Tensor, iterations: int, timed: bool) -> None:
         """`iterations` steps after a barrier; gradsync's deferred updates are applied before the clock stops."""
-        if timed and self.gradsync and attached(self.model).measurement is not None:
-            raise RuntimeError(f"row {self.label!r} is still calibrating or timing plans in a timed block: "
-                               "raise --warmup-rounds")
         dist.barrier()
         started = time.perf_counter()
         try:
