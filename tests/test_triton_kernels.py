@@ -240,6 +240,12 @@ def test_sign_pack_and_unpack_every_byte_value():
     assert tk.sign_unpack(packed, 2.0, 2045).tolist() == [2.0 if bit else -2.0 for bit in bits[:2045]]
 
 
+def test_sign_scale_is_accurate_on_a_large_tensor():
+    x = torch.randn(12_000_000, generator=torch.Generator().manual_seed(8))
+    exact = x.double().abs().sum().item() / x.numel()
+    assert tk.sign_pack(x)[1].item() == pytest.approx(exact, rel=1e-6)
+
+
 def test_sign_majority_unpack_by_brute_force():
     generator = torch.Generator().manual_seed(4)
     numel, world = 13, 4

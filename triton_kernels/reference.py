@@ -5,11 +5,6 @@ import torch
 
 from . import common
 
-# Packing by multiplication: read 8 bit-bytes (0 or 1) as one little-endian uint64, byte i at bit
-# 8i. Term k of this constant is 2^(7k + 7), so byte i times term k lands on bit 8i + 7k + 7: bit
-# 56 + i for k = 7 − i. No two (i, k) share a bit (no carries), terms past bit 63 wrap away, and
-# the top byte of the product is the packed byte.
-_GATHER_BITS = 0x0102040810204080
 # Row b: the 8 bits of byte value b, least significant first.
 _BITS_OF_BYTE = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
 
@@ -29,9 +24,12 @@ def sign_pack(x):
     flat = x.reshape(-1)
     bits = torch.zeros(8 * common.packed_length(flat.numel()), dtype=torch.uint8, device=x.device)
     bits[: flat.numel()] = flat >= 0
-    gathered = bits.view(torch.uint64) * _GATHER_BITS  # little-endian words: byte 7 is bits 56..63
-    packed = gathered.view(torch.uint8).view(-1, 8)[:, 7].contiguous()
-    scale = torch.linalg.vector_norm(flat, 1, dtype=torch.float32) / flat.numel()
+    per_byte = bits.view(-1, 8)
+    packed = per_byte[:, 0].clone()
+    for bit in range(1, 8):  # one strided pass per bit position
+        packed |= per_byte[:, bit] << bit
+    # torch's cascaded sum stays accurate on large tensors (a float32 vector_norm lost 4% at 23M elements)
+    scale = flat.abs().sum(dtype=torch.float32) / flat.numel()
     return packed, scale
 
 
