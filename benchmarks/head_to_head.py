@@ -188,6 +188,7 @@ class Variant:
         row runs in between, so that the plan trials time this row alone)."""
         for _ in range(CALIBRATION_LIMIT):
             if not self.gradsync or attached(self.model).measurement is None:
+                self.settle()  # no op or deferred update of this row stays in flight beside the next
                 return
             self.step(inputs, labels)
         raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")

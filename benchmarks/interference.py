@@ -44,7 +44,7 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     inputs = workload.make_inputs(workload.batch, generator)
     labels = torch.randint(0, 10, (workload.batch,), generator=generator)
     group = dist.new_group(backend="gloo")
-    gradient = torch.ones(sum(p.numel() for p in model.parameters()))
+    gradient = torch.zeros(sum(p.numel() for p in model.parameters()))  # zeros: sums stay finite
 
     def compute() -> float:
         started = time.perf_counter()

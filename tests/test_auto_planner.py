@@ -40,3 +40,29 @@ def test_bad_tolerance_is_refused(tolerance):
     profile, cost = zoo("resnet50"), CostModel.preset("asc-wfbp-10gbe", workers=8)
     with pytest.raises(ConfigError, match="tolerance"):
         planners.get("auto")(profile, cost, tolerance=tolerance)
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3])
+def test_auto_plans_within_the_channels_it_is_given(channels):
+    profile, cost = zoo("resnet50"), CostModel.preset("asc-wfbp-10gbe", workers=8)
+    times = {}
+    for name in CANDIDATES:
+        fitted = {"channels": channels} if "channels" in planners.option_names(name) else {}
+        candidate = planners.get(name)(profile, cost, **fitted)
+        if candidate.channels <= channels:
+            times[name] = simulate(candidate, profile, cost).iteration_time
+    best = next(iter(times))
+    for name, seconds in times.items():
+        if seconds < times[best] * (1 - 0.02):
+            best = name
+    chosen = planners.get("auto")(profile, cost, channels=channels)
+    assert chosen.options["chosen"] == best and chosen.channels <= channels
+    assert ("bytescheduler" in times) == (channels >= 2)  # its two credit slots need two channels
+
+
+def test_auto_refuses_when_no_candidate_fits_the_channels():
+    profile, cost = zoo("resnet50"), CostModel.preset("asc-wfbp-10gbe", workers=8)
+    with pytest.raises(ConfigError, match="more than 1 channel"):
+        planners.get("auto")(profile, cost, candidates=("bytescheduler",), channels=1)
+    with pytest.raises(ConfigError, match="'channels' must be an integer >= 1"):
+        planners.get("auto")(profile, cost, channels=0)

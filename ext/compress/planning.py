@@ -78,17 +78,17 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
                       count: int) -> list[dict]:
     """Up to `count` option sets of a planner that chooses among `candidates` (``auto``) worth
     timing: `options` themselves (its own choice), then `options` restricted to one candidate
-    each, best predicted cycle time first, skipping any whose plans equal one already listed.
+    each, best predicted cycle time first, skipping any whose steady layouts' plans equal those of
+    one already listed.
     The candidates are `options`' or every planner that does not choose among others. `codec`
     must be set up."""
     pool = options.get("candidates") or [name for name in planners.names() if not chooses_among_planners(name)]
-    chosen = plan_layouts(profile, cost, planner, codec, options)
-    seen = {tuple(entry.plan.hash for entry in chosen.values())}
+    seen = {steady_hashes(plan_layouts(profile, cost, planner, codec, options), codec)}
     ranked = []
     for name in pool:
         single = {**options, "candidates": (name,)}
         layout_plans, predicted = predict_cycle(profile, cost, planner, codec, single)
-        ranked.append((predicted, name, single, tuple(entry.plan.hash for entry in layout_plans.values())))
+        ranked.append((predicted, name, single, steady_hashes(layout_plans, codec)))
     alternatives = [dict(options)]
     for _, _, single, hashes in sorted(ranked, key=lambda item: (item[0], item[1])):
         if len(alternatives) >= count:
@@ -97,6 +97,16 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
             seen.add(hashes)
             alternatives.append(single)
     return alternatives
+
+
+def steady_layouts(codec: Codec) -> list[str]:
+    """The layouts the codec sends once warmed up (ACP-SGD: P and Q, not the uncompressed one)."""
+    return sorted({layout for rounds in codec.steady_rounds() for layout in rounds})
+
+
+def steady_hashes(layout_plans: dict[str, LayoutPlan], codec: Codec) -> tuple[str, ...]:
+    """The hashes of the plans of the steady layouts: what running these plans means in the long run."""
+    return tuple(layout_plans[layout].plan.hash for layout in steady_layouts(codec))
 
 
 def chooses_among_planners(name: str) -> bool:

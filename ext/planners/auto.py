@@ -9,18 +9,20 @@ from ..errors import ConfigError, unknown_name
 from ..plan import Plan
 from ..profile import ModelProfile
 from ..simulate import simulate
-from .options import reject_unknown
+from .options import positive_int, reject_unknown
 
 DEFAULT_TOLERANCE = 0.02
 
 
 def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | None = None,
-         tolerance: float = DEFAULT_TOLERANCE, **options) -> Plan:
+         tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, **options) -> Plan:
     """The candidate plan with the smallest simulated iteration time, where a later candidate
     (the registry lists simpler planners first) replaces the best so far only when it is faster by
     more than `tolerance` of that time: the simulator does not charge what extra ops and updates in
-    the forward pass cost the runtime, so a smaller predicted gain is not worth a more complex plan."""
-    from . import get, names
+    the forward pass cost the runtime, so a smaller predicted gain is not worth a more complex plan.
+    `channels`: the process groups the runtime has; passed to candidates that take it, and a
+    candidate plan needing more is left out."""
+    from . import get, names, option_names
 
     reject_unknown("auto", options)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
@@ -30,11 +32,18 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
     for name in candidates or ():
         if name not in pool:
             raise unknown_name("auto candidate", name, pool)
+    if channels is not None:
+        positive_int("auto", "channels", channels)
     best: tuple[float, Plan] | None = None
     for name in candidates or pool:
-        candidate = get(name)(profile, cost)
+        fitted = {"channels": channels} if channels is not None and "channels" in option_names(name) else {}
+        candidate = get(name)(profile, cost, **fitted)
+        if channels is not None and candidate.channels > channels:
+            continue
         time = simulate(candidate, profile, cost).iteration_time
         if best is None or time < best[0] * (1 - tolerance):
             best = (time, candidate)
+    if best is None:
+        raise ConfigError(f"auto: every candidate plan needs more than {channels} channel(s) (raise 'channels')")
     chosen = best[1]
     return Plan(chosen.ops, "auto", {"chosen": chosen.planner, **chosen.options})

@@ -57,7 +57,8 @@ def wrap(
     `measure_iterations` iterations run as WFBP while layers are timed; the cost is fitted from
     timed all-reduces at wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
     once the profile is measured, auto's choice and the next best predicted plans, up to this many,
-    run three iterations each (after one to settle) and the fastest measured is kept; below 2, auto's
+    run 3 iterations each (whole codec cycles: 4 for ACP-SGD; after one to settle) and the fastest
+    measured replaces auto's choice if faster by more than auto's `tolerance`; below 2, auto's
     choice is kept untimed. `channels`: process groups for simultaneous all-reduces
     (default 2; passed to planners that take it). `nonfinite`: ``"raise"`` (name the parameter),
     ``"skip"`` (skip the step on every rank) or ``"ignore"``. `transport`: ``"allreduce"`` (the

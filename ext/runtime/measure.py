@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import share_from_first
-from ..compress.planning import chooses_among_planners, plan_alternatives
+from ..compress.planning import chooses_among_planners, plan_alternatives, steady_layouts
 from ..cost import CostModel
 from ..planners.auto import DEFAULT_TOLERANCE
 from ..profile import ModelProfile
@@ -177,7 +177,7 @@ class ProfileCalibration(Measurement):
     are then timed (PlanTrials)."""
 
     def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str,
-                 steady_rounds: list[tuple[str, ...]], plan_trials: int = 0):
+                 steady_rounds: list[tuple[str, ...]], plan_trials: int):
         self.plan_trials = plan_trials
         self.timer = LayerTimer(layout)
         self.cost = cost
@@ -248,8 +248,10 @@ class PlanTrials(Measurement):
         self.profile, self.cost = profile, cost
         self.alternatives = alternatives
         self.iterations = iterations
+        self.device = next(iter(sync.layout.parameters.values())).device
+        self.last_end = _now(self.device)  # when the iteration being timed began
         self.medians: list[float] = []
-        self.labels: list[str] = []  # the planners each trial's plans came from
+        self.labels: list[str] = []  # the planners each trial's steady plans came from
         self._install(sync, 0)
 
     @classmethod
@@ -267,14 +269,19 @@ class PlanTrials(Measurement):
 
     def _install(self, sync, index: int) -> None:
         sync.install_plan(self.profile, self.cost, options=self.alternatives[index])
-        self.labels.append("/".join(sorted({plan.options["chosen"] for plan in sync.plans.values()})))
+        chosen = {sync.plans[layout].options["chosen"] for layout in steady_layouts(sync.codec)}
+        self.labels.append("/".join(sorted(chosen)))
         self.settling, self.samples = True, []
 
     def iteration_done(self, sync) -> None:
+        ended = _now(self.device)
+        started, self.last_end = self.last_end, ended
         if self.settling:  # this iteration's forward still applied the previous plan's deferred updates
             self.settling = False
             return
-        self.samples.append(sync.history[-1].iteration_time)
+        if sync.executor.skip_step:  # a step skipped for non-finite gradients (on every rank) is no sample
+            return
+        self.samples.append(ended - started)
         if len(self.samples) < self.iterations:
             return
         self.medians.append(_median(self.samples))
