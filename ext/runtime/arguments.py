@@ -32,7 +32,7 @@ class WrapArguments:
     broadcast_buffers: bool
     warmup_iterations: int
     measure_iterations: int
-    plan_trials: int = 3
+    plan_trials: int
     planner_options: dict = field(default_factory=dict)
     transport: str = "allreduce"
     topology: Topology | None = None  # forest only; None: the complete graph of the ranks
