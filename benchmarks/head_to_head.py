@@ -326,7 +326,8 @@ def speedup(results: dict[str, RowResult], label: str, baseline: str = ROWS["ddp
 def cost_line(cost: dict, world_size: int) -> str:
     """The fitted all-reduce cost, with b read as a ring's per-link bandwidth (2(N−1)/N bytes per byte)."""
     link_gbps = 2 * (world_size - 1) / world_size * 8 / cost["b"] / 1e9
-    return f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link, γ = {cost['gamma']:.2f}"
+    return (f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link,"
+            f" γ = {cost['gamma']:.2f}, host time per op {cost['host'] * 1e3:.2f} ms")
 
 
 def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from . import compress, planners
@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--a", type=float, help="all-reduce start-up time in seconds")
         sub.add_argument("--b", type=float, help="all-reduce time per byte in seconds")
         sub.add_argument("--gamma", type=float, default=None, help="contention factor (>= 1)")
+        sub.add_argument("--host", type=float, default=0.0,
+                         help="seconds of the computing thread each op takes (default 0, as in the papers)")
         sub.add_argument("--compressor", default=None, help=f"one of: {', '.join(compress.names())}")
         sub.add_argument("-c", "--compressor-option", type=_option, action="append", default=[],
                          metavar="KEY=VALUE", help="compressor option, e.g. -c rank=4")
@@ -80,13 +82,11 @@ def _cost(args) -> CostModel:
     if explicit:
         if args.a is None or args.b is None:
             raise ConfigError("--a and --b must be given together")
-        return CostModel(args.a, args.b, 1.0 if args.gamma is None else args.gamma)
+        return CostModel(args.a, args.b, 1.0 if args.gamma is None else args.gamma, host=args.host)
     if not args.cluster:
         raise ConfigError(f"give --cluster (one of: {', '.join(PRESETS)}) or --a and --b")
     cost = CostModel.preset(args.cluster, workers=args.workers)
-    if args.gamma is not None:
-        cost = CostModel(cost.a, cost.b, args.gamma, cost.name)
-    return cost
+    return replace(cost, gamma=cost.gamma if args.gamma is None else args.gamma, host=args.host)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""CostModel: the time of one all-reduce, a + b·bytes, and its contention factor γ.
+"""CostModel: the time of one all-reduce, a + b·bytes, its contention factor γ, and the compute
+time each op costs the rank that launches it.
 
 Equation references: asc-wfbp eq. 3 (a + b·m) and eqs. 9–11 (γ for simultaneous all-reduces);
 mg-wfbp eq. 9 and Table II (a and b from the network's α, β and summation time per algorithm);
@@ -27,12 +28,16 @@ class FitReport:
 
 @dataclass(frozen=True)
 class CostModel:
-    """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9)."""
+    """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9), and
+    `host`: the seconds of the computing thread each op takes (launching it, handling its result,
+    and the processor time its transfer takes from the computation where ranks share cores). The
+    papers' model has host = 0: their ops cost the computation nothing."""
 
     a: float
     b: float
     gamma: float = 1.0
     name: str = "custom"
+    host: float = 0.0
     fit_report: FitReport | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +47,9 @@ class CostModel:
                 raise ConfigError(f"cost model: '{attr}' must be a finite number > 0, got {value!r}")
         if not isinstance(self.gamma, (int, float)) or not math.isfinite(self.gamma) or self.gamma < 1:
             raise ConfigError(f"cost model: 'gamma' must be a finite number >= 1, got {self.gamma!r}")
+        if isinstance(self.host, bool) or not isinstance(self.host, (int, float)) or not math.isfinite(self.host) \
+                or self.host < 0:
+            raise ConfigError(f"cost model: 'host' must be a finite number >= 0, got {self.host!r}")
 
     def allreduce_time(self, nbytes: float) -> float:
         """T_ar(m) = a + b·m, and 0 for an empty message (us-byte eq. 1)."""
@@ -52,7 +60,7 @@ class CostModel:
         return (self.gamma - 1.0) * self.b * overlapped_bytes
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma}
+        return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma, "host": self.host}
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod

@@ -11,6 +11,10 @@ done and the update of the layers they carry (optimizer step, decoding) has run;
 gradients travel in forward-phase ops is updated just before its forward, and its forward also
 waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
+With a cost model's `host` > 0 (not in the papers: their ops cost the computation nothing), each
+op also takes `host` seconds of the computing thread when it launches: a backward-phase op in the
+gradient hook of the layer that completes it (or later, as ops launch in channel order), which
+delays every layer computed after it; forward-phase ops when the backward pass ends.
 Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
 sizes as they travel, codec compute folded into the layers' times.
 """
@@ -113,20 +117,65 @@ class InFlight:
         return finished
 
 
+@dataclass(frozen=True)
+class HostCharges:
+    """Where launching ops delays the computing thread (see the module docstring): each layer's
+    shift, when each op can start, when the backward pass ends, and when the thread is free after
+    launching the forward-phase ops."""
+
+    layer_shift: list[float]
+    op_ready: list[float]
+    backward_end: float
+    launched: float
+
+
+def host_charges(plan: Plan, profile: ModelProfile, host: float) -> HostCharges:
+    """Launch positions in backward order (ops launch in channel order, each in the hook of the
+    layer that completes it and its predecessors on the channel; those of one hook in plan order),
+    and the compute shift they cause."""
+    layer_of = profile.layer_of_tensor()
+    last = len(profile.layers) - 1
+    position = [0] * len(plan.ops)  # backward order: 0 is layer L, computed first
+    for indices in ops_by_channel(plan.ops).values():
+        previous = 0
+        for index in indices:
+            op = plan.ops[index]
+            if op.phase == BACKWARD:
+                previous = position[index] = max(previous, *(last - layer_of[s.tensor] for s in op.slices))
+    backward = [i for i, op in enumerate(plan.ops) if op.phase == BACKWARD]
+    launched_before = [0] * (last + 2)  # ops launched in the hooks of positions < p
+    for index in backward:
+        launched_before[position[index] + 1] += 1
+    for p in range(1, last + 2):
+        launched_before[p] += launched_before[p - 1]
+    layer_shift = [host * launched_before[last - layer] for layer in range(last + 1)]
+    ready_times = profile.backward_ready_times()
+    backward_end = profile.backward_time + host * len(backward)
+    op_ready = [0.0] * len(plan.ops)
+    order_in_hook: dict[int, int] = {}
+    forward = 0
+    for index, op in enumerate(plan.ops):
+        if op.phase == BACKWARD:
+            p = position[index]
+            order_in_hook[p] = order_in_hook.get(p, 0) + 1
+            op_ready[index] = ready_times[last - p] + layer_shift[last - p] + host * order_in_hook[p]
+        else:
+            forward += 1
+            op_ready[index] = backward_end + host * forward  # launched once the backward pass is over
+    return HostCharges(layer_shift, op_ready, backward_end, backward_end + host * forward)
+
+
 def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     """Simulate one iteration of `plan` (see the module docstring for the model)."""
     layer_of = profile.layer_of_tensor()
     tensors = profile.tensor_map()
-    ready_times = profile.backward_ready_times()
-    backward_end = profile.backward_time
+    charges = host_charges(plan, profile, cost.host)
+    backward_end = charges.backward_end
 
     count = len(plan.ops)
-    ready = [0.0] * count
+    ready = list(charges.op_ready)
     nbytes = [0] * count
     for index, op in enumerate(plan.ops):
-        ready[index] = max(ready_times[layer_of[s.tensor]] for s in op.slices)
-        if op.phase == FORWARD:
-            ready[index] = max(ready[index], backward_end)
         nbytes[index] = sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
 
     queues = {channel: list(reversed(indices)) for channel, indices in ops_by_channel(plan.ops).items()}
@@ -152,7 +201,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         clock += step
 
     forward_gate = [0.0] * len(profile.layers)
-    backward_done = max([backward_end] + [end[i] for i, op in enumerate(plan.ops) if op.phase == BACKWARD])
+    backward_done = max([charges.launched] + [end[i] for i, op in enumerate(plan.ops) if op.phase == BACKWARD])
     for index, op in enumerate(plan.ops):
         if op.phase == FORWARD:
             for s in op.slices:
@@ -160,8 +209,8 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
                 forward_gate[layer] = max(forward_gate[layer], end[index])
 
     layer_spans = [
-        LayerSpan(i, layer.name, "backward", s, s + layer.backward_time)
-        for i, (layer, s) in enumerate(zip(profile.layers, profile.backward_start_times()))
+        LayerSpan(i, layer.name, "backward", s + shift, s + shift + layer.backward_time)
+        for i, (layer, s, shift) in enumerate(zip(profile.layers, profile.backward_start_times(), charges.layer_shift))
     ]
     deferred = {layer_of[s.tensor] for op in plan.ops if op.phase == FORWARD for s in op.slices}
     forward_clock = backward_done + sum(l.update_time for i, l in enumerate(profile.layers) if i not in deferred)

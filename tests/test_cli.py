@@ -33,6 +33,18 @@ def test_plan_json_reports_a_valid_plan(capsys, profile_file, tmp_path):
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_host_time_per_op_is_charged_to_every_op(capsys, profile_file):
+    times = {}
+    for host in ("0", "1e-3"):
+        code, out, _ = run(capsys, "plan", "--profile", profile_file, "--a", "1e-3", "--b", "1e-9", "--host", host,
+                           "--scheduler", "wfbp", "--json")
+        assert code == 0
+        times[host] = json.loads(out)["iteration_time_ms"]
+    # four ops, each launched in the backward pass and delaying what follows it by 1 ms: the last
+    # op (the iteration's critical path) starts 4 ms later
+    assert times["1e-3"] - times["0"] == pytest.approx(4.0, abs=0.01)
+
+
 def test_plan_with_a_compressor_has_one_plan_per_layout(capsys):
     code, out, _ = run(capsys, "plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--workers", "8",
                        "--scheduler", "optimal_merge", "--compressor", "acp_sgd", "-c", "rank=4", "--json")
@@ -82,6 +94,8 @@ def test_zoo_lists_models(capsys):
         (["plan", "--model", "resnet50", "--a", "1e-3", "--b", "-1", "--scheduler", "wfbp"], "'b'"),
         (["plan", "--model", "resnet50", "--a", "1e-3", "--b", "1e-9", "--gamma", "0.5", "--scheduler", "wfbp"],
          "'gamma'"),
+        (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--host", "-1", "--scheduler", "wfbp"],
+         "'host'"),
         (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "us_byte",
           "-o", "partition_bytes=0"], "partition_bytes"),
         (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "wfbp",

@@ -99,7 +99,7 @@ def measured_plan(rank, world_size):
     profile = sync.profile
     result = {
         "planner": sync.plan.planner, "hash": sync.plan.hash, "a": sync.cost.a, "b": sync.cost.b,
-        "gamma": sync.cost.gamma, "layers": [layer.name for layer in profile.layers],
+        "gamma": sync.cost.gamma, "host": sync.cost.host, "layers": [layer.name for layer in profile.layers],
         "forward": [layer.forward_time for layer in profile.layers],
         "backward": [layer.backward_time for layer in profile.layers],
         "iterations": len(sync.history),
@@ -116,9 +116,54 @@ def test_measured_profile_and_cost_are_sane_and_agree():
     # layers in forward execution order; the never-used branch keeps registration order after them
     assert first["layers"][:6] == ["embed", "conv", "norm", "rank0_only", "mix", "head"]
     assert first["layers"][-1] == "unused"
-    assert 0 < first["a"] < 0.1 and 0 < first["b"] < 1e-6 and first["gamma"] >= 1
+    assert 0 < first["a"] < 0.1 and 0 < first["b"] < 1e-6 and first["gamma"] >= 1 and 0 <= first["host"] < 0.1
+    assert all(r["host"] == first["host"] and r["a"] == first["a"] for r in results)
     assert all(t > 0 for t in first["forward"][:6]) and all(t >= 0 for t in first["backward"])
     assert first["iterations"] == 4
+
+
+def host_with_launch_delay(rank, world_size, delay):
+    """measure_host on two channels whose all-reduces first block the launching thread for `delay` s."""
+    from gradsync.runtime.channels import Channels
+    from gradsync.runtime.measure import measure_host
+
+    channels = Channels(2)
+    launch = channels.all_reduce
+
+    def delayed(channel, tensor):
+        time.sleep(delay)
+        return launch(channel, tensor)
+
+    channels.all_reduce = delayed
+    try:
+        return measure_host(channels, op_seconds=1e-3)
+    finally:
+        channels.destroy()
+
+
+def test_host_time_per_op_counts_what_launching_costs_the_computing_thread():
+    plain = min(run_local(host_with_launch_delay, 2, 0.0)[0] for _ in range(2))
+    delayed = min(run_local(host_with_launch_delay, 2, 0.004)[0] for _ in range(2))
+    assert 0 <= plain < 0.004
+    assert delayed - plain == pytest.approx(0.004, abs=0.0015)
+
+
+def test_host_time_of_the_timed_plan_leaves_the_profile_in_proportion():
+    from gradsync.plan import FORWARD, Op, Plan, Slice
+    from gradsync.runtime.measure import without_host
+
+    profile = synthetic_profile(TiedNet())
+    layers = [layer for layer in profile.layers if layer.tensors]
+    ops = [Op((Slice(spec.name, 0, spec.numel),)) for layer in layers for spec in layer.tensors]
+    plan = Plan((*ops, Op(ops[0].slices, phase=FORWARD)))  # the forward-phase op launches after the backward
+    host = 0.25 * profile.backward_time / len(ops)
+    lighter = without_host(profile, plan, host)
+    assert lighter.backward_time == pytest.approx(0.75 * profile.backward_time)
+    for before, after in zip(profile.layers, lighter.layers):
+        assert after.backward_time == pytest.approx(0.75 * before.backward_time)
+        assert (after.forward_time, after.update_time) == (before.forward_time, before.update_time)
+    assert without_host(profile, plan, 0.0) == profile
+    assert without_host(profile, plan, 10 * host).backward_time == 0.0
 
 
 def different_costs(rank, world_size):
@@ -366,7 +411,7 @@ def measured_with_planner_options(rank, world_size):
     return planner
 
 
-def test_measurement_runs_wfbp_without_the_planners_options_then_the_planner_with_them():
+def test_measurement_runs_ddp_buckets_without_the_planners_options_then_the_planner_with_them():
     assert run_local(measured_with_planner_options, 2) == ["asc_wfbp", "asc_wfbp"]
 
 
@@ -392,7 +437,7 @@ def calibration_through_codec_warmup(rank, world_size):
 def test_a_plan_made_during_the_codecs_warmup_is_made_again_on_steady_iterations():
     for seen in run_local(calibration_through_codec_warmup, 2):
         planners_, measuring, profiles = zip(*seen)
-        assert planners_ == ("wfbp", "wfbp", "mg_wfbp", "mg_wfbp", "mg_wfbp", "mg_wfbp")
+        assert planners_ == ("ddp", "ddp", "mg_wfbp", "mg_wfbp", "mg_wfbp", "mg_wfbp")
         # iterations 3 and 4 (a P and a Q step) are timed under the first plan, then it is made again
         assert measuring == (True, True, True, True, False, False)
         assert profiles[2] != profiles[4] and profiles[4] == profiles[5]

@@ -3,6 +3,7 @@ b = 1 µs/byte one such all-reduce takes 1 + 4 = 5 ms."""
 import pytest
 
 from gradsync import CostModel, Op, Plan, Slice, planners, simulate
+from gradsync.errors import ConfigError
 from gradsync.plan import FORWARD
 from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
 from gradsync.simulate import contention_slowdown
@@ -89,3 +90,47 @@ def test_slowdown_model():
     assert contention_slowdown(1.5, 2) == 1.5
     assert contention_slowdown(1.5, 3) == 2.0
 
+
+
+HOST = CostModel(1 * MS, 1e-6, host=0.5 * MS)
+
+
+def test_each_op_delays_the_layers_computed_after_its_launch():
+    profile = toy_profile([(1000, 1, 2)] * 3)
+    timeline = simulate(planners.get("wfbp")(profile, HOST), profile, HOST)
+    # layer 2 ready at 2, its op launches 2→2.5 and starts at 2.5; layer 1 computes 2.5→4.5, op
+    # launched 4.5→5; layer 0 5→7, op 7→7.5, backward ends at 7.5. Ops 2.5→7.5, 7.5→12.5, 12.5→17.5;
+    # forward 17.5→20.5
+    assert [s.start for s in timeline.ops] == pytest.approx([2.5 * MS, 7.5 * MS, 12.5 * MS])
+    assert [s.end for s in timeline.layers if s.kind == "backward"] == pytest.approx([7 * MS, 4.5 * MS, 2 * MS])
+    assert timeline.iteration_time == pytest.approx(20.5 * MS)
+
+
+def test_host_time_of_hidden_ops_shows_in_the_iteration():
+    profile = toy_profile([(1000, 1, 10)] * 3)
+    merged = Plan((Op(tuple(Slice(f"t{i}", 0, 1000) for i in (2, 1, 0))),))
+    # without host time: 38 ms (see above); with it, each of wfbp's three ops costs 0.5 ms of the
+    # backward: ready at 10, 20.5, 31 (+0.5 launching), the last op 31.5→36.5, forward 36.5→39.5
+    assert simulate(planners.get("wfbp")(profile, HOST), profile, HOST).iteration_time == pytest.approx(39.5 * MS)
+    # one merged op: launched at 30→30.5, 30.5→43.5 for 12 KB, forward 43.5→46.5
+    assert simulate(merged, profile, HOST).iteration_time == pytest.approx(46.5 * MS)
+
+
+def test_ops_launch_in_channel_order_and_forward_phase_ops_at_the_end_of_backward():
+    profile = toy_profile([(1000, 1, 2)] * 3)
+    # t0 (ready last) first on the channel: t2's op waits for it and launches in layer 0's hook
+    plan = Plan((Op((Slice("t0", 0, 1000),)), Op((Slice("t2", 0, 1000),)),
+                 Op((Slice("t1", 0, 1000),), phase=FORWARD)))
+    timeline = simulate(plan, profile, HOST)
+    # backward 0→6 uninterrupted; both backward ops launch after layer 0: 6→6.5, 6.5→7; the
+    # forward-phase op 7→7.5. Ops 6.5→11.5, 11.5→16.5, 16.5→21.5; updates and the forward of
+    # layer 0 at 16.5→17.5, layer 1 waits for its op: 21.5→22.5, layer 2 22.5→23.5
+    assert [s.start for s in timeline.ops] == pytest.approx([6.5 * MS, 11.5 * MS, 16.5 * MS])
+    assert timeline.backward_end == pytest.approx(7 * MS)
+    assert timeline.iteration_time == pytest.approx(23.5 * MS)
+
+
+def test_host_must_be_a_finite_number_at_least_zero():
+    for bad in (-1e-3, float("nan"), True, "1"):
+        with pytest.raises(ConfigError, match="'host'"):
+            CostModel(1 * MS, 1e-6, host=bad)

@@ -18,8 +18,9 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
          tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, **options) -> Plan:
     """The candidate plan with the smallest simulated iteration time, where a later candidate
     (the registry lists simpler planners first) replaces the best so far only when it is faster by
-    more than `tolerance` of that time: the simulator does not charge what extra ops and updates in
-    the forward pass cost the runtime, so a smaller predicted gain is not worth a more complex plan.
+    more than `tolerance` of that time: the simulator charges an op's host time only as a mean
+    (the cost model's `host`), and not what updates in the forward pass cost the runtime, so a
+    smaller predicted gain is not worth a more complex plan.
     `channels`: the process groups the runtime has; passed to candidates that take it, and a
     candidate plan needing more is left out."""
     from . import get, names, option_names

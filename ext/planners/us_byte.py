@@ -6,8 +6,9 @@ bytes; an op merges several neighbouring blocks of one layer, the two-tuple <O_n
 - Phase two, overlapping the next forward: the blocks left of each layer form one op, layers in
   order 1..L (Theorem 1: P2^(l) = l), launched after backward (eqs. 9–10).
 - The objective is the iteration time of eqs. 9–12 in closed form. For these one-channel plans it
-  equals gradsync.simulate of the plan (asserted in the tests), and costs O(ops) instead of a full
-  event simulation, which keeps the O(L) evaluations of the greedy cheap.
+  equals gradsync.simulate of the plan under the papers' model (a cost with host = 0; asserted in
+  the tests), and costs O(ops) instead of a full event simulation, which keeps the O(L)
+  evaluations of the greedy cheap.
 - Algorithm 2 searches P1 greedily from sequential priorities. Its result is compared with one
   more point of the same search space, WFBP's order with whole-layer ops, so that the plan is never
   slower than WFBP (Algorithm 1 alone can be: see `wfbp_equivalent`).

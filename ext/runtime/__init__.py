@@ -101,7 +101,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     if arguments.profile is not None:
         sync.install_plan(arguments.profile, cost)
     else:
-        sync.install_plan(skeleton, cost, planner_name="wfbp")
+        sync.install_plan(skeleton, cost, planner_name="ddp")  # few ops while the layers are timed (measure.py)
         sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
                                               arguments.measure_iterations, type(model).__name__,
                                               codec.steady_rounds(), arguments.plan_trials)

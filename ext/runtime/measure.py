@@ -1,21 +1,25 @@
 """Measuring the model's per-layer times and the network's all-reduce cost on the live job.
 
-Per-layer times follow the MG-WFBP authors' method: hooks time each layer while the first
-iterations run as WFBP (with a device synchronise on GPU); the backward time of a layer is the gap
+Per-layer times follow the MG-WFBP authors' method, hooks timing each layer while the first
+iterations run (with a device synchronise on GPU), but under DDP's buckets rather than WFBP: few
+ops, so that little of the layers' times is the ops' host time; the backward time of a layer is the gap
 between its gradients becoming ready and those of the layer after it; the update time is the
 engine's serial work outside the layers (buffer broadcast, optimizer step, a codec's decoding and
 its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in
 the gradient hooks, uncompressed traffic during its warm-up steps), so a plan made while the codec
 was still warming up is made again once the codec has run as many steady iterations, on their
-times. The cost model is fitted from timed all-reduces of several sizes, and γ from pairs run at
-once on two channels (asc-wfbp eq. 9). Rank 0's numbers are broadcast so that every rank plans
-with the same inputs.
+times. The cost model is fitted from timed all-reduces of several sizes, γ from pairs run at once on
+two channels (asc-wfbp eq. 9), and the computing thread's time per op (`host`) from computation
+run with and without small ops launched through the executor between its slices. The layer times
+measured under a plan carry that plan's host time, which is taken out before planning. Rank 0's
+numbers are broadcast so that every rank plans with the same inputs.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -23,9 +27,11 @@ import torch.distributed as dist
 from ..agreement import share_from_first
 from ..compress.planning import chooses_among_planners, plan_alternatives, steady_layouts
 from ..cost import CostModel
+from ..plan import BACKWARD, Op, Plan, Slice
 from ..planners.auto import DEFAULT_TOLERANCE
-from ..profile import ModelProfile
+from ..profile import LayerProfile, ModelProfile
 from .channels import Channels
+from .executor import PlanExecutor
 from .layout import ParameterLayout
 
 
@@ -144,8 +150,72 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
     measured = slowest.tolist()
     byte_sizes = [buffers[s].numel() * element for s in sizes]
-    return CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
-                         measured[len(sizes):], name="measured", clamp=True)
+    fitted = CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
+                           measured[len(sizes):], name="measured", clamp=True)
+    return replace(fitted, host=measure_host(channels, fitted.a, dtype, device, repeats))
+
+
+HOST_PROBE_OPS = 16
+
+
+def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, device="cpu", repeats: int = 5,
+                 ops: int = HOST_PROBE_OPS) -> float:
+    """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
+    products, each about twice `op_seconds` so that every op is done before the next launches)
+    timed alone and with one single-element op launched through a PlanExecutor after each slice
+    and all of them completed at the end, as the runtime does; the difference per op, the median
+    of `repeats`, the slowest rank's."""
+    names = [f"probe{i}" for i in range(ops)]
+    parameters = {}
+    for name in names:
+        parameters[name] = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        parameters[name].grad = torch.ones_like(parameters[name])
+    plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
+    executor = PlanExecutor(plan, parameters, channels)
+    matrix = torch.ones(128, 128, dtype=dtype, device=device)
+
+    def products(count: int) -> float:
+        started = _now(matrix.device)
+        for _ in range(count):
+            torch.mm(matrix, matrix)
+        return _now(matrix.device) - started
+
+    products(4)
+    per_product = _median([products(8) / 8 for _ in range(3)])
+    count = max(1, math.ceil(2 * op_seconds / max(per_product, 1e-7)))
+
+    def timed(launch: bool) -> float:
+        executor.start_iteration(0)
+        dist.barrier(group=channels.process_group)
+        started = _now(matrix.device)
+        for name in names:
+            products(count)
+            if launch:
+                executor.mark_ready(name)
+        if launch:
+            executor.wait_all()
+        return _now(matrix.device) - started
+
+    timed(True)  # the first ops set up the channel's connections
+    alone = _median([timed(False) for _ in range(repeats)])
+    launched = _median([timed(True) for _ in range(repeats)])
+    slowest = torch.tensor([max(0.0, launched - alone) / ops], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
+    return float(slowest.item())
+
+
+def without_host(profile: ModelProfile, plan: Plan, host: float) -> ModelProfile:
+    """`profile` as measured while `plan` ran, with the host time of its backward-phase ops taken
+    out of the backward pass, in proportion to each layer's share of it (the ops' processor time
+    falls wherever their transfers run)."""
+    backward = profile.backward_time
+    charged = host * sum(1 for op in plan.ops if op.phase == BACKWARD)
+    if backward <= 0 or charged <= 0:
+        return profile
+    scale = max(0.0, backward - charged) / backward
+    layers = tuple(LayerProfile(l.name, l.tensors, l.forward_time, l.backward_time * scale, l.update_time)
+                   for l in profile.layers)
+    return ModelProfile(profile.name, layers, profile.metadata)
 
 
 class Measurement:
@@ -214,7 +284,8 @@ class ProfileCalibration(Measurement):
         self.all_steady = self.all_steady and steady
         if self.counted < self.iterations:
             return
-        profile = self.timer.profile(self.name, _median(self.update_samples))
+        timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
+        profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
         measured = ModelProfile.from_dict(share_from_first(profile.to_dict(), sync.channels.process_group))
         trials = PlanTrials.start(sync, measured, self.cost, self.plan_trials) if self.all_steady else None
         if trials is None:
