@@ -161,10 +161,11 @@ HOST_PROBE_OPS = 16
 def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, device="cpu", repeats: int = 5,
                  ops: int = HOST_PROBE_OPS) -> float:
     """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
-    products, each about twice `op_seconds` so that every op is done before the next launches)
-    timed alone and with one single-element op launched through a PlanExecutor after each slice
-    and all of them completed at the end, as the runtime does; the difference per op, the median
-    of `repeats`, the slowest rank's."""
+    products, each about twice `op_seconds`, so that an op is mostly done before the next
+    launches) timed alone and with one single-element op launched through a PlanExecutor after
+    each slice, as the runtime does; the difference per op, the median of `repeats`, the slowest
+    rank's. The ops are completed after the clock stops: what remains of their transfers then is
+    communication, not the computing thread's time."""
     names = [f"probe{i}" for i in range(ops)]
     parameters = {}
     for name in names:
@@ -192,11 +193,12 @@ def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, dev
             products(count)
             if launch:
                 executor.mark_ready(name)
+        elapsed = _now(matrix.device) - started
         if launch:
             executor.wait_all()
-        return _now(matrix.device) - started
+        return elapsed
 
-    timed(True)  # the first ops set up the channel's connections
+    timed(True)  # warm-up
     alone = _median([timed(False) for _ in range(repeats)])
     launched = _median([timed(True) for _ in range(repeats)])
     slowest = torch.tensor([max(0.0, launched - alone) / ops], dtype=torch.float64)
@@ -215,7 +217,7 @@ def without_host(profile: ModelProfile, plan: Plan, host: float) -> ModelProfile
     scale = max(0.0, backward - charged) / backward
     layers = tuple(LayerProfile(l.name, l.tensors, l.forward_time, l.backward_time * scale, l.update_time)
                    for l in profile.layers)
-    return ModelProfile(profile.name, layers, profile.metadata)
+    return ModelProfile(profile.name, layers, dict(profile.metadata))
 
 
 class Measurement:
