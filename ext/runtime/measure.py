@@ -146,7 +146,7 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     times = [timed(s, [0]) for s in sizes]
     pair_sizes = sizes[-2:] if len(channels) > 1 else []
     pair_times = [timed(s, [0, 1]) for s in pair_sizes]
-    slowest = torch.tensor(times + pair_times, dtype=torch.float64)
+    slowest = torch.tensor(times + pair_times, dtype=torch.float64, device=device)  # on the backend's device
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
     measured = slowest.tolist()
     byte_sizes = [buffers[s].numel() * element for s in sizes]
@@ -162,9 +162,10 @@ def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, dev
                  ops: int = HOST_PROBE_OPS) -> float:
     """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
     products, each about twice `op_seconds`, so that an op is mostly done before the next
-    launches) timed alone and with one single-element op launched through a PlanExecutor after
-    each slice, as the runtime does; the difference per op, the median of `repeats`, the slowest
-    rank's. The ops are completed after the clock stops: what remains of their transfers then is
+    launches) timed alone and then with one single-element op launched through a PlanExecutor
+    after each slice, as the runtime does; the difference per op, the median over `repeats` such
+    pairs and then over the ranks (one rank descheduled in one pair must not set it for all). The
+    ops are completed after the clock stops: what remains of their transfers then is
     communication, not the computing thread's time."""
     names = [f"probe{i}" for i in range(ops)]
     parameters = {}
@@ -199,11 +200,10 @@ def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, dev
         return elapsed
 
     timed(True)  # warm-up
-    alone = _median([timed(False) for _ in range(repeats)])
-    launched = _median([timed(True) for _ in range(repeats)])
-    slowest = torch.tensor([max(0.0, launched - alone) / ops], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
-    return float(slowest.item())
+    local = _median([timed(True) - timed(False) for _ in range(repeats)]) / ops
+    per_rank = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(channels.world_size)]
+    dist.all_gather(per_rank, torch.tensor([local], dtype=torch.float64, device=device), group=channels.process_group)
+    return max(0.0, _median([float(value.item()) for value in per_rank]))
 
 
 def without_host(profile: ModelProfile, plan: Plan, host: float) -> ModelProfile:
@@ -361,7 +361,7 @@ class PlanTrials(Measurement):
         if len(self.medians) < len(self.alternatives):
             self._install(sync, len(self.medians))
             return
-        slowest = torch.tensor(self.medians, dtype=torch.float64)
+        slowest = torch.tensor(self.medians, dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
         self.medians = slowest.tolist()
         fastest = kept_trial(self.medians, sync.planner_options.get("tolerance", DEFAULT_TOLERANCE))
