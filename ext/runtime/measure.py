@@ -200,7 +200,11 @@ def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, dev
         return elapsed
 
     timed(True)  # warm-up
-    local = _median([timed(True) - timed(False) for _ in range(repeats)]) / ops
+    differences = []
+    for _ in range(repeats):
+        alone = timed(False)
+        differences.append(timed(True) - alone)
+    local = _median(differences) / ops
     per_rank = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(channels.world_size)]
     dist.all_gather(per_rank, torch.tensor([local], dtype=torch.float64, device=device), group=channels.process_group)
     return max(0.0, _median([float(value.item()) for value in per_rank]))
