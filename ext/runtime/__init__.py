@@ -54,8 +54,8 @@ def wrap(
     The model object comes back unchanged (hooks only). The returned optimizer wraps `optimizer`.
     `compressor`: a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
     `profile`/`cost`: an object, a JSON path, or ``"measure"`` (the first `warmup_iterations` +
-    `measure_iterations` iterations run as WFBP while layers are timed; the cost is fitted from
-    timed all-reduces at wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
+    `measure_iterations` iterations run under DDP's buckets while layers are timed; the cost, a, b,
+    γ and the host time per op, is measured at wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
     once the profile is measured, auto's choice and the next best predicted plans, up to this many,
     run 3 iterations each (whole codec cycles: 4 for ACP-SGD; after one to settle) and the fastest
     measured replaces auto's choice if faster by more than auto's `tolerance`; below 2, auto's
