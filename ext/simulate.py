@@ -129,11 +129,10 @@ class HostCharges:
     launched: float
 
 
-def host_charges(plan: Plan, profile: ModelProfile, host: float) -> HostCharges:
+def host_charges(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], host: float) -> HostCharges:
     """Launch positions in backward order (ops launch in channel order, each in the hook of the
     layer that completes it and its predecessors on the channel; those of one hook in plan order),
-    and the compute shift they cause."""
-    layer_of = profile.layer_of_tensor()
+    and the compute shift they cause. `layer_of`: profile.layer_of_tensor()."""
     last = len(profile.layers) - 1
     position = [0] * len(plan.ops)  # backward order: 0 is layer L, computed first
     for indices in ops_by_channel(plan.ops).values():
@@ -169,7 +168,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     """Simulate one iteration of `plan` (see the module docstring for the model)."""
     layer_of = profile.layer_of_tensor()
     tensors = profile.tensor_map()
-    charges = host_charges(plan, profile, cost.host)
+    charges = host_charges(plan, profile, layer_of, cost.host)
     backward_end = charges.backward_end
 
     count = len(plan.ops)
