@@ -327,7 +327,9 @@ def cost_line(cost: dict, world_size: int) -> str:
     """The fitted all-reduce cost, with b read as a ring's per-link bandwidth (2(N−1)/N bytes per byte)."""
     link_gbps = 2 * (world_size - 1) / world_size * 8 / cost["b"] / 1e9
     return (f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link,"
-            f" γ = {cost['gamma']:.2f}, host time per op {cost['host'] * 1e3:.2f} ms")
+            f" γ = {cost['gamma']:.2f}, host time per op {cost['host'] * 1e3:.2f} ms,"
+            f" slowdowns σ = {cost['compute_slowdown']:.2f} (computation), τ = {cost['transfer_slowdown']:.2f}"
+            " (transfers)")
 
 
 def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:

@@ -1,4 +1,5 @@
-"""Agreement across ranks: share rank 0's value, or check that every rank holds the same one.
+"""Agreement across ranks: share rank 0's value or the one with the largest key, or check that
+every rank holds the same one.
 
 Both are collectives over `process_group` (None: the default group), called at set-up time, so a
 rank configured differently fails with a message naming it instead of hanging later.
@@ -16,6 +17,13 @@ def share_from_first(value, process_group):
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     dist.broadcast_object_list(box, src=source, group=process_group)
     return box[0]
+
+
+def share_largest(value, key: float, process_group):
+    """The `value` of the rank with the largest `key` (the lowest such rank) on every rank."""
+    pairs = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(pairs, (key, value), group=process_group)
+    return max(pairs, key=lambda pair: pair[0])[1]
 
 
 def check_same_on_all_ranks(value, what: str, remedy: str, process_group) -> None:

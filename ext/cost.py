@@ -28,16 +28,20 @@ class FitReport:
 
 @dataclass(frozen=True)
 class CostModel:
-    """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9), and
-    `host`: the seconds of the computing thread each op takes (launching it, handling its result,
-    and the processor time its transfer takes from the computation where ranks share cores). The
-    papers' model has host = 0: their ops cost the computation nothing."""
+    """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9), and how
+    communication and computation slow each other where they share the ranks' processors:
+    `host`, the seconds of the computing thread each op takes (launching it, handling its result);
+    `compute_slowdown`, how many times slower the computation runs while an op is in flight;
+    `transfer_slowdown`, how many times slower an op progresses while the computation runs. The
+    papers' model has host = 0 and both slowdowns 1: their ops and computation never meet."""
 
     a: float
     b: float
     gamma: float = 1.0
     name: str = "custom"
     host: float = 0.0
+    compute_slowdown: float = 1.0
+    transfer_slowdown: float = 1.0
     fit_report: FitReport | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +54,10 @@ class CostModel:
         if isinstance(self.host, bool) or not isinstance(self.host, (int, float)) or not math.isfinite(self.host) \
                 or self.host < 0:
             raise ConfigError(f"cost model: 'host' must be a finite number >= 0, got {self.host!r}")
+        for attr in ("compute_slowdown", "transfer_slowdown"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+                raise ConfigError(f"cost model: '{attr}' must be a finite number >= 1, got {value!r}")
 
     def allreduce_time(self, nbytes: float) -> float:
         """T_ar(m) = a + b·m, and 0 for an empty message (us-byte eq. 1)."""
@@ -60,7 +68,8 @@ class CostModel:
         return (self.gamma - 1.0) * self.b * overlapped_bytes
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma, "host": self.host}
+        return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma, "host": self.host,
+                "compute_slowdown": self.compute_slowdown, "transfer_slowdown": self.transfer_slowdown}
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod

@@ -11,10 +11,14 @@ done and the update of the layers they carry (optimizer step, decoding) has run;
 gradients travel in forward-phase ops is updated just before its forward, and its forward also
 waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
-With a cost model's `host` > 0 (not in the papers: their ops cost the computation nothing), each
-op also takes `host` seconds of the computing thread when it launches: a backward-phase op in the
-gradient hook of the layer that completes it (or later, as ops launch in channel order), which
-delays every layer computed after it; forward-phase ops when the backward pass ends.
+Two terms are not in the papers, whose ops cost the computation nothing. With a cost model's
+`host` > 0, each op takes `host` seconds of the computing thread when it launches: a backward-phase
+op in the gradient hook of the layer that completes it (or later, as ops launch in channel order),
+which delays every layer computed after it; forward-phase ops when the backward pass ends. With its
+`compute_slowdown` σ > 1, the computing thread's work (layers, updates, launches) progresses at
+1/σ of its rate while any op is in flight, and with its `transfer_slowdown` τ > 1 the ops'
+transmissions progress at 1/τ of their rate while the thread computes: the two share the ranks'
+processors.
 Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
 sizes as they travel, codec compute folded into the layers' times.
 """
@@ -80,7 +84,8 @@ def contention_slowdown(gamma: float, transmitting: int) -> float:
 
 class InFlight:
     """All-reduces in flight under the model above: each lasts `a` of start-up, then transmits
-    b·bytes of solo time at 1/s(k) of its solo rate while k ops transmit."""
+    b·bytes of solo time at 1/s(k) of its solo rate while k ops transmit (and at a further 1/pace
+    beside computation)."""
 
     def __init__(self, cost: CostModel):
         self.cost = cost
@@ -92,20 +97,26 @@ class InFlight:
         self.starting[op] = self.cost.a
         self.work[op] = self.cost.b * nbytes
 
-    def next_event(self, clock: float) -> float:
-        """When the next op ends its start-up or its transmission (inf with none in flight)."""
+    @property
+    def active(self) -> bool:
+        """Whether any op is in flight (starting up or transmitting)."""
+        return bool(self.starting or self.transmitting)
+
+    def next_event(self, clock: float, pace: float = 1.0) -> float:
+        """When the next op ends its start-up or its transmission (inf with none in flight), the
+        transmissions progressing `pace` times slower than alone."""
         slowdown = contention_slowdown(self.cost.gamma, len(self.transmitting))
         events = [clock + rest for rest in self.starting.values()]
-        events += [clock + rest * slowdown for rest in self.transmitting.values()]
+        events += [clock + rest * slowdown * pace for rest in self.transmitting.values()]
         return min(events, default=math.inf)
 
-    def advance(self, clock: float, step: float) -> list[int]:
-        """Let `step` seconds pass from `clock`; the ops that finished, in no particular order."""
+    def advance(self, clock: float, step: float, pace: float = 1.0) -> list[int]:
+        """Let `step` seconds pass from `clock` at `pace`; the ops that finished, in no particular order."""
         slowdown = contention_slowdown(self.cost.gamma, len(self.transmitting))
         tolerance = 1e-12 * max(1.0, clock + step)
         finished = []
         for op in list(self.transmitting):
-            self.transmitting[op] -= step / slowdown
+            self.transmitting[op] -= step / (slowdown * pace)
             if self.transmitting[op] <= tolerance:
                 del self.transmitting[op]
                 finished.append(op)
@@ -118,114 +129,126 @@ class InFlight:
 
 
 @dataclass(frozen=True)
-class HostCharges:
-    """Where launching ops delays the computing thread (see the module docstring): each layer's
-    shift, when each op can start, when the backward pass ends, and when the thread is free after
-    launching the forward-phase ops."""
+class ThreadTask:
+    """Work of the computing thread, in order: `work` solo seconds, begun once the ops in `gate`
+    are done; `launches` an op when it ends; `span` (layer, kind) names a layer's computation."""
 
-    layer_shift: list[float]
-    op_ready: list[float]
-    backward_end: float
-    launched: float
+    work: float
+    gate: tuple[int, ...] = ()
+    launches: int | None = None
+    span: tuple[int, str] | None = None
 
 
-def host_charges(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], host: float) -> HostCharges:
-    """Launch positions in backward order (ops launch in channel order, each in the hook of the
-    layer that completes it and its predecessors on the channel; those of one hook in plan order),
-    and the compute shift they cause. `layer_of`: profile.layer_of_tensor()."""
-    last = len(profile.layers) - 1
-    position = [0] * len(plan.ops)  # backward order: 0 is layer L, computed first
+def launch_positions(plan: Plan, layer_of: dict[str, int], layers: int) -> list[int]:
+    """The hook each backward-phase op launches in, as a backward position (0: layer L, computed
+    first): the hook of the layer that completes it or, as ops launch in channel order, a later one."""
+    last = layers - 1
+    position = [0] * len(plan.ops)
     for indices in ops_by_channel(plan.ops).values():
         previous = 0
         for index in indices:
             op = plan.ops[index]
             if op.phase == BACKWARD:
                 previous = position[index] = max(previous, *(last - layer_of[s.tensor] for s in op.slices))
-    backward = [i for i, op in enumerate(plan.ops) if op.phase == BACKWARD]
-    launched_before = [0] * (last + 2)  # ops launched in the hooks of positions < p
-    for index in backward:
-        launched_before[position[index] + 1] += 1
-    for p in range(1, last + 2):
-        launched_before[p] += launched_before[p - 1]
-    layer_shift = [host * launched_before[last - layer] for layer in range(last + 1)]
-    ready_times = profile.backward_ready_times()
-    backward_end = profile.backward_time + host * len(backward)
-    op_ready = [0.0] * len(plan.ops)
-    order_in_hook: dict[int, int] = {}
-    forward = 0
+    return position
+
+
+def thread_tasks(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], host: float) -> list[ThreadTask]:
+    """The computing thread's iteration (module docstring): backward layers, each followed by the
+    launches in its hook (`host` each, in plan order); the forward-phase ops' launches; the wait for
+    the backward-phase ops and the update of the layers they carry; each layer's forward, after the
+    forward-phase ops that carry it and its deferred update."""
+    last = len(profile.layers) - 1
+    position = launch_positions(plan, layer_of, len(profile.layers))
+    in_hook: dict[int, list[int]] = {}
     for index, op in enumerate(plan.ops):
         if op.phase == BACKWARD:
-            p = position[index]
-            order_in_hook[p] = order_in_hook.get(p, 0) + 1
-            op_ready[index] = ready_times[last - p] + layer_shift[last - p] + host * order_in_hook[p]
-        else:
-            forward += 1
-            op_ready[index] = backward_end + host * forward  # launched once the backward pass is over
-    return HostCharges(layer_shift, op_ready, backward_end, backward_end + host * forward)
+            in_hook.setdefault(position[index], []).append(index)
+    tasks = []
+    for p in range(last + 1):
+        tasks.append(ThreadTask(profile.layers[last - p].backward_time, span=(last - p, "backward")))
+        tasks += [ThreadTask(host, launches=index) for index in in_hook.get(p, ())]
+    forward_ops = [index for index, op in enumerate(plan.ops) if op.phase == FORWARD]
+    tasks += [ThreadTask(host, launches=index) for index in forward_ops]
+    carried: dict[int, set[int]] = {}
+    for index in forward_ops:
+        for s in plan.ops[index].slices:
+            carried.setdefault(layer_of[s.tensor], set()).add(index)
+    backward_ops = tuple(index for index, op in enumerate(plan.ops) if op.phase == BACKWARD)
+    tasks.append(ThreadTask(sum(l.update_time for i, l in enumerate(profile.layers) if i not in carried),
+                            gate=backward_ops))
+    for i, layer in enumerate(profile.layers):
+        gate = tuple(sorted(carried.get(i, ())))
+        if gate:
+            tasks.append(ThreadTask(layer.update_time, gate=gate))
+        tasks.append(ThreadTask(layer.forward_time, span=(i, "forward")))
+    return tasks
 
 
 def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     """Simulate one iteration of `plan` (see the module docstring for the model)."""
     layer_of = profile.layer_of_tensor()
     tensors = profile.tensor_map()
-    charges = host_charges(plan, profile, layer_of, cost.host)
-    backward_end = charges.backward_end
+    tasks = thread_tasks(plan, profile, layer_of, cost.host)
+    backward_tasks = len(profile.layers) + sum(1 for op in plan.ops if op.phase == BACKWARD)
 
     count = len(plan.ops)
-    ready = list(charges.op_ready)
-    nbytes = [0] * count
-    for index, op in enumerate(plan.ops):
-        nbytes[index] = sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
-
+    nbytes = [sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices) for op in plan.ops]
     queues = {channel: list(reversed(indices)) for channel, indices in ops_by_channel(plan.ops).items()}
+    ready = [math.inf] * count
     start = [0.0] * count
     end = [0.0] * count
+    finished = [False] * count
     in_flight = InFlight(cost)
     busy: set[int] = set()
-    clock = 0.0
+    layer_spans: list[LayerSpan] = []
+    clock = backward_end = 0.0
+    task, remaining, begun = 0, (tasks[0].work if tasks else 0.0), None
     done = 0
-    while done < count:
+    while task < len(tasks) or done < count:
         for channel, queue in queues.items():
             if channel not in busy and queue and ready[queue[-1]] <= clock:
                 index = queue.pop()
                 busy.add(channel)
                 start[index] = clock
                 in_flight.start(index, nbytes[index])
-        upcoming = [ready[q[-1]] for c, q in queues.items() if q and c not in busy]
-        step = min([in_flight.next_event(clock), *upcoming]) - clock
-        for index in in_flight.advance(clock, step):
+        running = task < len(tasks) and all(finished[op] for op in tasks[task].gate)
+        slowdown = cost.compute_slowdown if in_flight.active else 1.0
+        pace = cost.transfer_slowdown if running and remaining > 0 else 1.0
+        if running and begun is None:
+            begun = clock
+        step = min(in_flight.next_event(clock, pace), clock + remaining * slowdown if running else math.inf) - clock
+        if math.isinf(step):
+            raise RuntimeError(f"simulation stalled at {clock:.6f} s: task {task} waits for ops never launched")
+        for index in in_flight.advance(clock, step, pace):
             busy.discard(plan.ops[index].channel)
-            end[index] = clock + step
+            end[index], finished[index] = clock + step, True
             done += 1
         clock += step
-
-    forward_gate = [0.0] * len(profile.layers)
-    backward_done = max([charges.launched] + [end[i] for i, op in enumerate(plan.ops) if op.phase == BACKWARD])
-    for index, op in enumerate(plan.ops):
-        if op.phase == FORWARD:
-            for s in op.slices:
-                layer = layer_of[s.tensor]
-                forward_gate[layer] = max(forward_gate[layer], end[index])
-
-    layer_spans = [
-        LayerSpan(i, layer.name, "backward", s + shift, s + shift + layer.backward_time)
-        for i, (layer, s, shift) in enumerate(zip(profile.layers, profile.backward_start_times(), charges.layer_shift))
-    ]
-    deferred = {layer_of[s.tensor] for op in plan.ops if op.phase == FORWARD for s in op.slices}
-    forward_clock = backward_done + sum(l.update_time for i, l in enumerate(profile.layers) if i not in deferred)
-    for i, layer in enumerate(profile.layers):
-        forward_clock = max(forward_clock, forward_gate[i]) + (layer.update_time if i in deferred else 0.0)
-        layer_spans.append(LayerSpan(i, layer.name, "forward", forward_clock, forward_clock + layer.forward_time))
-        forward_clock += layer.forward_time
+        if not running:
+            continue
+        remaining -= step / slowdown
+        if remaining > 1e-12 * max(1.0, clock):
+            continue
+        current = tasks[task]
+        if current.launches is not None:
+            ready[current.launches] = clock
+        if current.span is not None:
+            layer = current.span[0]
+            layer_spans.append(LayerSpan(layer, profile.layers[layer].name, current.span[1], begun, clock))
+        task += 1
+        if task == backward_tasks:
+            backward_end = clock
+        remaining, begun = (tasks[task].work if task < len(tasks) else 0.0), None
 
     op_spans = tuple(
         OpSpan(i, op.channel, op.phase, nbytes[i], ready[i], start[i], end[i]) for i, op in enumerate(plan.ops)
     )
     return Timeline(
-        iteration_time=forward_clock,
+        iteration_time=clock,
         compute_time=profile.forward_time + profile.backward_time + profile.update_time,
         backward_end=backward_end,
         comm_end=max(end, default=0.0),
         ops=op_spans,
-        layers=tuple(layer_spans),
+        layers=tuple(sorted(layer_spans, key=lambda span: (span.kind != "backward", span.layer))),
     )

@@ -45,6 +45,18 @@ def test_host_time_per_op_is_charged_to_every_op(capsys, profile_file):
     assert times["1e-3"] - times["0"] == pytest.approx(4.0, abs=0.01)
 
 
+def test_slowdowns_lengthen_an_overlapped_iteration(capsys, profile_file):
+    def iteration_ms(*flags):
+        code, out, _ = run(capsys, "plan", "--profile", profile_file, "--a", "1e-3", "--b", "1e-7", *flags,
+                           "--scheduler", "wfbp", "--json")
+        assert code == 0
+        return json.loads(out)["iteration_time_ms"]
+
+    plain = iteration_ms()
+    assert iteration_ms("--compute-slowdown", "2") > plain
+    assert iteration_ms("--transfer-slowdown", "2") > plain
+
+
 def test_plan_with_a_compressor_has_one_plan_per_layout(capsys):
     code, out, _ = run(capsys, "plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--workers", "8",
                        "--scheduler", "optimal_merge", "--compressor", "acp_sgd", "-c", "rank=4", "--json")
@@ -96,6 +108,10 @@ def test_zoo_lists_models(capsys):
          "'gamma'"),
         (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--host", "-1", "--scheduler", "wfbp"],
          "'host'"),
+        (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--compute-slowdown", "0.5",
+          "--scheduler", "wfbp"], "'compute_slowdown'"),
+        (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--transfer-slowdown", "nan",
+          "--scheduler", "wfbp"], "'transfer_slowdown'"),
         (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "us_byte",
           "-o", "partition_bytes=0"], "partition_bytes"),
         (["plan", "--model", "resnet50", "--cluster", "asc-wfbp-10gbe", "--scheduler", "wfbp",

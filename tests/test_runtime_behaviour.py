@@ -136,7 +136,7 @@ def host_with_launch_delay(rank, world_size, delay):
 
     channels.all_reduce = delayed
     try:
-        return measure_host(channels, op_seconds=1e-3)
+        return measure_host(channels, CostModel(1e-3, 1e-9))
     finally:
         channels.destroy()
 
@@ -146,6 +146,61 @@ def test_host_time_per_op_counts_what_launching_costs_the_computing_thread():
     delayed = min(run_local(host_with_launch_delay, 2, 0.004)[0] for _ in range(2))
     assert 0 <= plain < 0.004
     assert delayed - plain == pytest.approx(0.004, abs=0.0015)
+
+
+class FakeTransfer:
+    """An all-reduce stand-in run by a thread: `sleep` seconds of waiting, or `loops` iterations of
+    Python (the interpreter's lock is shared with the computing thread's launches, as a transfer's
+    processor time is on a shared core)."""
+
+    def __init__(self, sleep: float = 0.0, loops: int = 0):
+        import threading
+
+        def body():
+            time.sleep(sleep)
+            total = 0
+            for i in range(loops):
+                total += i
+        self.thread = threading.Thread(target=body)
+        self.thread.start()
+
+    def wait(self):
+        self.thread.join()
+
+
+def slowdowns_beside(rank, world_size, kind):
+    """measure_slowdowns with the all-reduce replaced by a FakeTransfer of about 30 ms."""
+    from gradsync.runtime.channels import Channels
+    from gradsync.runtime.measure import measure_slowdowns
+
+    channels = Channels(1)
+    loops = 0
+    if kind == "busy":  # calibrate the loop to about 30 ms alone
+        started, count = time.perf_counter(), 200_000
+        FakeTransfer(loops=count).wait()
+        loops = int(count * 0.03 / (time.perf_counter() - started))
+    channels.all_reduce = lambda channel, tensor: FakeTransfer(sleep=0.03 if kind == "idle" else 0.0, loops=loops)
+    try:
+        return measure_slowdowns(channels, CostModel(1e-3, 1e-9))
+    finally:
+        channels.destroy()
+
+
+def test_slowdowns_are_measured_from_computation_and_transfer_alone_and_together():
+    idle = run_local(slowdowns_beside, 2, "idle")[0]
+    busy = run_local(slowdowns_beside, 2, "busy")[0]
+    assert idle["compute_slowdown"] < 1.3 and idle["transfer_slowdown"] < 1.3  # a transfer that only waits
+    assert busy["compute_slowdown"] > 1.5  # one that takes the interpreter from the computation
+
+
+def test_slowdowns_of_one_probe():
+    from gradsync.runtime.measure import slowdowns_of
+
+    # computation 10 ms alone, 15 together: σ = 1.5; transfer 30 ms alone, 35 together: 5 ms
+    # extra over the 15 ms beside the computation, which it crossed at 10/15 of its rate: τ = 1.5
+    assert slowdowns_of(0.010, 0.030, 0.015, 0.035) == pytest.approx((1.5, 1.5))
+    assert slowdowns_of(0.010, 0.030, 0.010, 0.030) == pytest.approx((1.0, 1.0))
+    assert slowdowns_of(0.010, 0.030, 0.010, 0.045)[1] == 20.0  # no progress beside it: capped
 
 
 def test_host_time_of_the_timed_plan_leaves_the_profile_in_proportion():
@@ -501,3 +556,13 @@ def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
     assert max(layer.backward_time for layer in profile.layers) < stall / 2
     timer.remove()
     assert output.shape == (2, 4)
+
+
+def largest_shared(rank, world_size):
+    from gradsync.agreement import share_largest
+
+    return share_largest(f"profile of rank {rank}", [1.0, 5.0, 5.0, 2.0][rank], None)
+
+
+def test_every_rank_plans_with_the_slowest_ranks_profile():
+    assert run_local(largest_shared, 4) == ["profile of rank 1"] * 4  # the first of the two slowest

@@ -134,3 +134,43 @@ def test_host_must_be_a_finite_number_at_least_zero():
     for bad in (-1e-3, float("nan"), True, "1"):
         with pytest.raises(ConfigError, match="'host'"):
             CostModel(1 * MS, 1e-6, host=bad)
+
+
+def test_computation_runs_slower_while_ops_are_in_flight():
+    profile = toy_profile([(1000, 1, 10)] * 3)
+    slowed = CostModel(1 * MS, 1e-6, compute_slowdown=2.0)
+    timeline = simulate(planners.get("wfbp")(profile, slowed), profile, slowed)
+    # layer 2 0→10 alone; its op 10→15, so layer 1 does 2.5 ms of work by 15 and the rest alone:
+    # 10→22.5; op 22.5→27.5 beside layer 0 (2.5 ms of work), which ends at 35; op 35→40; forward
+    # 40→43 (38 ms without the slowdown)
+    assert [s.end for s in timeline.layers if s.kind == "backward"] == pytest.approx([35 * MS, 22.5 * MS, 10 * MS])
+    assert [s.end for s in timeline.ops] == pytest.approx([15 * MS, 27.5 * MS, 40 * MS])
+    assert timeline.iteration_time == pytest.approx(43 * MS)
+
+
+def test_transmissions_run_slower_while_the_thread_computes():
+    profile = toy_profile([(1000, 1, 10)] * 3)
+    slowed = CostModel(1 * MS, 1e-6, transfer_slowdown=2.0)
+    timeline = simulate(planners.get("wfbp")(profile, slowed), profile, slowed)
+    # op t2: start-up 10→11 (not slowed), 4 ms of transmission at half rate beside layer 1 → 19;
+    # t1 20→21→29 beside layer 0; t0 30→31→35 while the thread waits; forward 35→38
+    assert [s.end for s in timeline.ops] == pytest.approx([19 * MS, 29 * MS, 35 * MS])
+    assert timeline.iteration_time == pytest.approx(38 * MS)
+
+
+def test_forward_phase_ops_slow_the_forward_they_overlap():
+    profile = toy_profile([(1000, 4, 2), (1000, 1, 2)])
+    plan = Plan((Op((Slice("t0", 0, 1000),)), Op((Slice("t1", 0, 1000),), phase=FORWARD)))
+    # backward 0→4; t0 4→9; t1 (forward phase) 9→14; layer 0's forward from 9, half speed until 14
+    # (2.5 of its 4 ms), alone 14→15.5; layer 1 waits for t1: 15.5→16.5
+    plain = simulate(plan, profile, COST)
+    slowed = simulate(plan, profile, CostModel(1 * MS, 1e-6, compute_slowdown=2.0))
+    assert [s.end for s in plain.layers if s.kind == "forward"] == pytest.approx([13 * MS, 15 * MS])
+    assert [s.end for s in slowed.layers if s.kind == "forward"] == pytest.approx([15.5 * MS, 16.5 * MS])
+
+
+@pytest.mark.parametrize("attr", ["compute_slowdown", "transfer_slowdown"])
+def test_slowdowns_must_be_finite_numbers_at_least_one(attr):
+    for bad in (0.5, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ConfigError, match=f"'{attr}'"):
+            CostModel(1 * MS, 1e-6, **{attr: bad})

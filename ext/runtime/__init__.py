@@ -21,7 +21,7 @@ from .channels import Channels
 from .engine import GradSync, IterationStats, _broadcast_from_first, attached, no_sync
 from .executor import NonFiniteGradient
 from .layout import ParameterLayout
-from .measure import ProfileCalibration, measure_cost
+from .measure import CALIBRATION_OPTIONS, CALIBRATION_PLANNER, ProfileCalibration, measure_cost
 from .optimizer import SyncedOptimizer
 from .trace import ChromeTrace
 
@@ -54,8 +54,9 @@ def wrap(
     The model object comes back unchanged (hooks only). The returned optimizer wraps `optimizer`.
     `compressor`: a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
     `profile`/`cost`: an object, a JSON path, or ``"measure"`` (the first `warmup_iterations` +
-    `measure_iterations` iterations run under DDP's buckets while layers are timed; the cost, a, b,
-    γ and the host time per op, is measured at wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
+    `measure_iterations` iterations run with one all-reduce at the end of the backward pass while
+    layers are timed; the cost, a, b, γ, the host time per op and the slowdowns, is measured at
+    wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
     once the profile is measured, auto's choice and the next best predicted plans, up to this many,
     run 3 iterations each (whole codec cycles: 4 for ACP-SGD; after one to settle) and the fastest
     measured replaces auto's choice if faster by more than auto's `tolerance`; below 2, auto's
@@ -101,7 +102,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     if arguments.profile is not None:
         sync.install_plan(arguments.profile, cost)
     else:
-        sync.install_plan(skeleton, cost, planner_name="ddp")  # few ops while the layers are timed (measure.py)
+        sync.install_plan(skeleton, cost, CALIBRATION_PLANNER, CALIBRATION_OPTIONS)  # see measure.py
         sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
                                               arguments.measure_iterations, type(model).__name__,
                                               codec.steady_rounds(), arguments.plan_trials)

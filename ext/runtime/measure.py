@@ -1,18 +1,20 @@
 """Measuring the model's per-layer times and the network's all-reduce cost on the live job.
 
 Per-layer times follow the MG-WFBP authors' method, hooks timing each layer while the first
-iterations run (with a device synchronise on GPU), but under DDP's buckets rather than WFBP: few
-ops, so that little of the layers' times is the ops' host time; the backward time of a layer is the gap
-between its gradients becoming ready and those of the layer after it; the update time is the
-engine's serial work outside the layers (buffer broadcast, optimizer step, a codec's decoding and
-its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in
-the gradient hooks, uncompressed traffic during its warm-up steps), so a plan made while the codec
-was still warming up is made again once the codec has run as many steady iterations, on their
-times. The cost model is fitted from timed all-reduces of several sizes, γ from pairs run at once on
-two channels (asc-wfbp eq. 9), and the computing thread's time per op (`host`) from computation
-run with and without small ops launched through the executor between its slices. The layer times
-measured under a plan carry that plan's host time, which is taken out before planning. Rank 0's
-numbers are broadcast so that every rank plans with the same inputs.
+iterations run (with a device synchronise on GPU), but with all gradients in one all-reduce launched
+when the backward pass ends rather than under WFBP: no op is in flight while the layers run, so
+their times carry neither the ops' host time nor their slowdown; the backward time of a layer
+is the gap between its gradients becoming ready and those of the layer after it; the update time is
+the engine's serial work outside the layers (buffer broadcast, optimizer step, a codec's decoding
+and its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in
+the gradient hooks), so a plan made while the codec was still warming up is made again once the
+codec has run as many steady iterations, on their times. The cost model is fitted from timed
+all-reduces of several sizes, γ from pairs run at once on two channels (asc-wfbp eq. 9), the
+slowdowns of computation and communication from the two timed alone and together, the computing thread's
+time per op (`host`) from computation run with and without small ops launched through the executor
+between its slices. The host time of the timed plan's op is taken out of the layers' times before
+planning. Every rank plans with the profile of the rank whose computation is the slowest (the
+synchronised iteration goes at its pace) and the cost measured together.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..agreement import share_from_first
+from ..agreement import share_largest
 from ..compress.planning import chooses_among_planners, plan_alternatives, steady_layouts
 from ..cost import CostModel
 from ..plan import BACKWARD, Op, Plan, Slice
@@ -33,6 +35,9 @@ from ..profile import LayerProfile, ModelProfile
 from .channels import Channels
 from .executor import PlanExecutor
 from .layout import ParameterLayout
+
+CALIBRATION_PLANNER = "ddp"  # the plan the layers are timed under: every gradient in one bucket
+CALIBRATION_OPTIONS = {"bucket_cap_bytes": 1 << 62, "first_bucket_bytes": 1 << 62}
 
 
 def _median(samples: list[float]) -> float:
@@ -152,21 +157,96 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     byte_sizes = [buffers[s].numel() * element for s in sizes]
     fitted = CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
                            measured[len(sizes):], name="measured", clamp=True)
-    return replace(fitted, host=measure_host(channels, fitted.a, dtype, device, repeats))
+    slowed = replace(fitted, **measure_slowdowns(channels, fitted, dtype, device, repeats))
+    return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))
+
+
+class ProbeWork:
+    """Slices of computation for the probes: 128×128 matrix products, timed on the device."""
+
+    def __init__(self, dtype, device):
+        self.matrix = torch.ones(128, 128, dtype=dtype, device=device)
+        self.run(4)
+        self.per_product = _median([self.run(8) / 8 for _ in range(3)])
+
+    def run(self, count: int) -> float:
+        """Seconds that `count` products take."""
+        started = _now(self.matrix.device)
+        for _ in range(count):
+            torch.mm(self.matrix, self.matrix)
+        return _now(self.matrix.device) - started
+
+    def count_for(self, seconds: float) -> int:
+        """Products in about `seconds`."""
+        return max(1, math.ceil(seconds / max(self.per_product, 1e-7)))
+
+
+def _median_over_ranks(channels: Channels, local: float, device) -> float:
+    per_rank = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(channels.world_size)]
+    dist.all_gather(per_rank, torch.tensor([local], dtype=torch.float64, device=device), group=channels.process_group)
+    return _median([float(value.item()) for value in per_rank])
+
+
+SLOWDOWN_PROBE_SECONDS = 0.01
+MAX_SLOWDOWN = 20.0
+
+
+def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu",
+                      repeats: int = 5) -> dict[str, float]:
+    """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 10 ms of computation
+    (matrix products) and an all-reduce on channel 0 that outlasts it (three times as long by
+    `cost`, at most 64 MiB) timed alone and then together (`slowdowns_of`); each the median over
+    `repeats` such triples and then over the ranks; at least 1."""
+    work = ProbeWork(dtype, device)
+    count = work.count_for(SLOWDOWN_PROBE_SECONDS)
+    element = torch.tensor([], dtype=dtype).element_size()
+    nbytes = min(64 << 20, max(4096, (3 * SLOWDOWN_PROBE_SECONDS - cost.a) / cost.b))
+    buffer = torch.zeros(int(nbytes) // element, dtype=dtype, device=device)
+
+    def timed(compute: bool, transfer: bool) -> tuple[float, float]:
+        """(computation seconds, all-reduce seconds)."""
+        dist.barrier(group=channels.process_group)
+        started = _now(work.matrix.device)
+        handle = channels.all_reduce(0, buffer) if transfer else None
+        computed = work.run(count) if compute else 0.0
+        if handle is not None:
+            handle.wait()
+        return computed, _now(work.matrix.device) - started
+
+    timed(True, True)  # warm-up
+    compute, transfer = [], []
+    for _ in range(repeats):
+        alone = timed(True, False)[0]
+        transfer_alone = timed(False, True)[1]
+        sigma, tau = slowdowns_of(alone, transfer_alone, *timed(True, True))
+        compute.append(sigma)
+        transfer.append(tau)
+    return {"compute_slowdown": max(1.0, _median_over_ranks(channels, _median(compute), device)),
+            "transfer_slowdown": max(1.0, _median_over_ranks(channels, _median(transfer), device))}
+
+
+def slowdowns_of(compute_alone: float, transfer_alone: float, compute_together: float,
+                 transfer_together: float) -> tuple[float, float]:
+    """(σ, τ) from one probe: σ = together / alone for the computation; the transfer, which
+    outlasts it, progressed at 1/τ while the computation ran, so its extra time is D − D/τ with D
+    the computation's time together; τ capped at 20."""
+    extra, beside = transfer_together - transfer_alone, compute_together
+    return compute_together / compute_alone, min(MAX_SLOWDOWN, beside / max(beside - extra, beside / MAX_SLOWDOWN))
 
 
 HOST_PROBE_OPS = 16
 
 
-def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, device="cpu", repeats: int = 5,
+def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu", repeats: int = 5,
                  ops: int = HOST_PROBE_OPS) -> float:
     """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
-    products, each about twice `op_seconds`, so that an op is mostly done before the next
+    products, each about twice `cost.a`, so that an op is mostly done before the next
     launches) timed alone and then with one single-element op launched through a PlanExecutor
     after each slice, as the runtime does; the difference per op, the median over `repeats` such
     pairs and then over the ranks (one rank descheduled in one pair must not set it for all). The
     ops are completed after the clock stops: what remains of their transfers then is
-    communication, not the computing thread's time."""
+    communication, not the computing thread's time. The slowdown of the computation while each op
+    is in flight, a·(1 − 1/σ) in the simulator's model with `cost`'s σ, is not counted in it."""
     names = [f"probe{i}" for i in range(ops)]
     parameters = {}
     for name in names:
@@ -174,27 +254,18 @@ def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, dev
         parameters[name].grad = torch.ones_like(parameters[name])
     plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
     executor = PlanExecutor(plan, parameters, channels)
-    matrix = torch.ones(128, 128, dtype=dtype, device=device)
-
-    def products(count: int) -> float:
-        started = _now(matrix.device)
-        for _ in range(count):
-            torch.mm(matrix, matrix)
-        return _now(matrix.device) - started
-
-    products(4)
-    per_product = _median([products(8) / 8 for _ in range(3)])
-    count = max(1, math.ceil(2 * op_seconds / max(per_product, 1e-7)))
+    work = ProbeWork(dtype, device)
+    count = work.count_for(2 * cost.a)
 
     def timed(launch: bool) -> float:
         executor.start_iteration(0)
         dist.barrier(group=channels.process_group)
-        started = _now(matrix.device)
+        started = _now(work.matrix.device)
         for name in names:
-            products(count)
+            work.run(count)
             if launch:
                 executor.mark_ready(name)
-        elapsed = _now(matrix.device) - started
+        elapsed = _now(work.matrix.device) - started
         if launch:
             executor.wait_all()
         return elapsed
@@ -204,10 +275,8 @@ def measure_host(channels: Channels, op_seconds: float, dtype=torch.float32, dev
     for _ in range(repeats):
         alone = timed(False)
         differences.append(timed(True) - alone)
-    local = _median(differences) / ops
-    per_rank = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(channels.world_size)]
-    dist.all_gather(per_rank, torch.tensor([local], dtype=torch.float64, device=device), group=channels.process_group)
-    return max(0.0, _median([float(value.item()) for value in per_rank]))
+    overlapped = (ops - 1) * cost.a * (1 - 1 / cost.compute_slowdown)  # the last op: after the clock stops
+    return max(0.0, (_median_over_ranks(channels, _median(differences), device) - overlapped) / ops)
 
 
 def without_host(profile: ModelProfile, plan: Plan, host: float) -> ModelProfile:
@@ -246,7 +315,7 @@ class Measurement:
 
 class ProfileCalibration(Measurement):
     """Runs `warmup` + `iterations` iterations under the initial plan, timing layers in the last
-    `iterations`, then installs the planner's plan built on rank 0's measured profile. When some
+    `iterations`, then installs the planner's plan built on the slowest rank's measured profile. When some
     timed iterations were not in the codec's steady state, timing goes on under that plan until
     `iterations` steady ones are counted, and the plan is made again on their profile. With a
     planner that chooses among others (``auto``) and `plan_trials` > 1, the plans worth comparing
@@ -292,7 +361,9 @@ class ProfileCalibration(Measurement):
             return
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
-        measured = ModelProfile.from_dict(share_from_first(profile.to_dict(), sync.channels.process_group))
+        slowest = share_largest(profile.to_dict(), profile.forward_time + profile.backward_time,
+                                sync.channels.process_group)  # the iteration goes at its pace
+        measured = ModelProfile.from_dict(slowest)
         trials = PlanTrials.start(sync, measured, self.cost, self.plan_trials) if self.all_steady else None
         if trials is None:
             sync.install_plan(measured, self.cost)
