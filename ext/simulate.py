@@ -204,6 +204,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     layer_spans: list[LayerSpan] = []
     clock = backward_end = 0.0
     task, remaining, begun = 0, (tasks[0].work if tasks else 0.0), None
+    waiting = set(tasks[0].gate) if tasks else set()  # the current task's ops not yet done
     done = 0
     while task < len(tasks) or done < count:
         for channel, queue in queues.items():
@@ -212,17 +213,20 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
                 busy.add(channel)
                 start[index] = clock
                 in_flight.start(index, nbytes[index])
-        running = task < len(tasks) and all(finished[op] for op in tasks[task].gate)
+        running = task < len(tasks) and not waiting
         slowdown = cost.compute_slowdown if in_flight.active else 1.0
         pace = cost.transfer_slowdown if running and remaining > 0 else 1.0
         if running and begun is None:
             begun = clock
-        step = min(in_flight.next_event(clock, pace), clock + remaining * slowdown if running else math.inf) - clock
-        if math.isinf(step):
+        step = (remaining * slowdown if running else math.inf)
+        if in_flight.active:
+            step = min(step, in_flight.next_event(clock, pace) - clock)
+        elif not running:
             raise RuntimeError(f"simulation stalled at {clock:.6f} s: task {task} waits for ops never launched")
-        for index in in_flight.advance(clock, step, pace):
+        for index in in_flight.advance(clock, step, pace) if in_flight.active else ():
             busy.discard(plan.ops[index].channel)
             end[index], finished[index] = clock + step, True
+            waiting.discard(index)
             done += 1
         clock += step
         if not running:
@@ -240,6 +244,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         if task == backward_tasks:
             backward_end = clock
         remaining, begun = (tasks[task].work if task < len(tasks) else 0.0), None
+        waiting = {op for op in tasks[task].gate if not finished[op]} if task < len(tasks) else set()
 
     op_spans = tuple(
         OpSpan(i, op.channel, op.phase, nbytes[i], ready[i], start[i], end[i]) for i, op in enumerate(plan.ops)
