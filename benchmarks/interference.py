@@ -2,15 +2,18 @@
 while all-reduces are in flight beside it.
 
 The simulator (gradsync.simulate) takes compute times from a profile and communication times from
-a + b·bytes, each measured on its own; it assumes the two do not slow each other down. On this
-testbed the ranks, gloo's threads and the kernel's network stack share the machine's cores, so
-that assumption is measured here, per model, number of ranks and NIC rate:
+a + b·bytes, each measured on its own, and slows the computation by the cost model's
+`compute_slowdown` σ while ops are in flight; `cost="measure"` takes σ from matrix products timed
+beside an all-reduce. On this testbed the ranks, gloo's threads and the kernel's network stack
+share the machine's cores; here the slowdown is measured on the models' own passes, beside the
+wrap-time probe's σ, per model, number of ranks and NIC rate:
 
 - compute alone: one forward and backward pass (no communication), median;
 - compute beside traffic: the same pass, started right after launching enough back-to-back
   all-reduces of the model's gradient size (asynchronous, on their own process group) to outlast
   it, median; the traffic is then waited for;
-- slowdown = beside / alone, the slowest rank's.
+- slowdown = beside / alone, the slowest rank's;
+- probe σ: `measure_cost`'s compute_slowdown on the same job.
 
     .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 3 minutes)
 """
@@ -27,6 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from gradsync.runtime.channels import Channels
+from gradsync.runtime.measure import measure_cost
 
 from benchmarks.head_to_head import WORKLOADS
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform
@@ -72,7 +78,13 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
         beside.append(compute())
         for work in works:
             work.wait()
-    return {"alone": alone, "beside": statistics.median(beside), "ops": ops, "op_seconds": slowest[1].item()}
+    channels = Channels(2)
+    try:
+        probe = measure_cost(channels, gradient.numel() * gradient.element_size()).compute_slowdown
+    finally:
+        channels.destroy()
+    return {"alone": alone, "beside": statistics.median(beside), "ops": ops, "op_seconds": slowest[1].item(),
+            "probe": probe}
 
 
 def run(args) -> list[str]:
@@ -87,7 +99,8 @@ def run(args) -> list[str]:
                     alone = max(r["alone"] for r in reports)
                     beside = max(r["beside"] for r in reports)
                     rows.append(f"| {model} | {world_size} | {rate} | {alone * 1e3:.1f} | {beside * 1e3:.1f} | "
-                                f"{beside / alone:.2f}× | {reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
+                                f"{beside / alone:.2f}× | {reports[0]['probe']:.2f}× |"
+                                f" {reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
     return rows
 
 
@@ -110,9 +123,11 @@ def main(argv=None) -> None:
              f"thread each) and gloo; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"medians of {args.repeats} passes, the slowest rank's.", "",
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
-             "that outlast it (the simulator assumes the two do not slow each other down).", "",
-             "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | traffic: ops × ms alone |",
-             "|---|---|---|---|---|---|---|", *rows, ""]
+             "that outlast it; probe σ: the compute slowdown `cost=\"measure\"` measures with matrix products "
+             "(the simulator's model).", "",
+             "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | probe σ |"
+             " traffic: ops × ms alone |",
+             "|---|---|---|---|---|---|---|---|", *rows, ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 

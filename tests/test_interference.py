@@ -10,3 +10,4 @@ def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
     slowest_alone = max(r["alone"] for r in reports)
     assert reports[0]["ops"] * reports[0]["op_seconds"] >= TRAFFIC_MARGIN * slowest_alone
     assert all(r["alone"] > 0 and r["beside"] > 0 for r in reports)
+    assert reports[0]["probe"] == reports[1]["probe"] >= 1  # the wrap-time probe's σ, agreed by the ranks
