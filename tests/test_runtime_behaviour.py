@@ -456,31 +456,33 @@ def measured_with_planner_options(rank, world_size):
     model = TiedNet()
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="asc_wfbp",
                                      channels=3, warmup_iterations=0, measure_iterations=1)
+    sync = attached(model)
+    calibration = (sync.plan.planner, [op.phase for op in sync.plan.ops])
     for step in range(2):
         optimizer.zero_grad()
         _loss(model, rank, step).backward()
         optimizer.step()
-    sync = attached(model)
     planner = sync.plan.planner
     sync.detach()
-    return planner
+    return calibration, planner
 
 
-def test_measurement_runs_ddp_buckets_without_the_planners_options_then_the_planner_with_them():
-    assert run_local(measured_with_planner_options, 2) == ["asc_wfbp", "asc_wfbp"]
+def test_measurement_runs_one_bucket_without_the_planners_options_then_the_planner_with_them():
+    # layers are timed with every gradient in one backward-phase all-reduce: none in flight beside them
+    assert run_local(measured_with_planner_options, 2) == [(("ddp", ["backward"]), "asc_wfbp")] * 2
 
 
-def calibration_through_codec_warmup(rank, world_size):
-    """ACP-SGD with 2 uncompressed steps; layers timed on iterations 1-2 (1 is uncompressed)."""
+def calibration_through_codec_warmup(rank, world_size, start_iter):
+    """ACP-SGD with `start_iter` uncompressed steps; 1 warm-up and 2 timed iterations."""
     torch.manual_seed(0)
     model = TiedNet()
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
-                                     compressor={"type": "acp_sgd", "rank": 2, "start_iter": 2,
+                                     compressor={"type": "acp_sgd", "rank": 2, "start_iter": start_iter,
                                                  "min_compression_rate": 1.0},
                                      warmup_iterations=1, measure_iterations=2)
     sync = attached(model)
     seen = []
-    for step in range(6):
+    for step in range(9):
         optimizer.zero_grad()
         _loss(model, rank, step).backward()
         optimizer.step()
@@ -489,13 +491,23 @@ def calibration_through_codec_warmup(rank, world_size):
     return seen
 
 
-def test_a_plan_made_during_the_codecs_warmup_is_made_again_on_steady_iterations():
-    for seen in run_local(calibration_through_codec_warmup, 2):
+def test_layers_timed_during_the_codecs_warmup_are_timed_again_on_steady_iterations():
+    # steps 0-1 uncompressed: step 0 warms up, steps 1-2 are timed (1 is not steady), steps 3-4
+    # are timed again under the calibration plan (ddp, one bucket), then mg_wfbp's plan
+    for seen in run_local(calibration_through_codec_warmup, 2, 2):
+        planners_, measuring, _ = zip(*seen)
+        assert planners_ == ("ddp",) * 4 + ("mg_wfbp",) * 5
+        assert measuring == (True,) * 4 + (False,) * 5
+
+
+def test_a_long_codec_warmup_runs_a_plan_made_on_it_and_is_timed_again_once_steady():
+    # steps 0-4 uncompressed: steps 1-2 timed, mg_wfbp's plan on their profile runs steps 3-4;
+    # the calibration plan comes back for steps 5-6, timed, then mg_wfbp on the steady profile
+    for seen in run_local(calibration_through_codec_warmup, 2, 5):
         planners_, measuring, profiles = zip(*seen)
-        assert planners_ == ("ddp", "ddp", "mg_wfbp", "mg_wfbp", "mg_wfbp", "mg_wfbp")
-        # iterations 3 and 4 (a P and a Q step) are timed under the first plan, then it is made again
-        assert measuring == (True, True, True, True, False, False)
-        assert profiles[2] != profiles[4] and profiles[4] == profiles[5]
+        assert planners_ == ("ddp", "ddp", "mg_wfbp", "mg_wfbp", "ddp", "ddp", "mg_wfbp", "mg_wfbp", "mg_wfbp")
+        assert measuring == (True,) * 6 + (False,) * 3
+        assert profiles[2] != profiles[6] and profiles[6] == profiles[8]
 
 
 class SlowSGD(torch.optim.SGD):

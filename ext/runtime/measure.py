@@ -7,8 +7,8 @@ their times carry neither the ops' host time nor their slowdown; the backward ti
 is the gap between its gradients becoming ready and those of the layer after it; the update time is
 the engine's serial work outside the layers (buffer broadcast, optimizer step, a codec's decoding
 and its later rounds' encoding). Layer times depend on what runs beside them (a codec's encoding in
-the gradient hooks), so a plan made while the codec was still warming up is made again once the
-codec has run as many steady iterations, on their times. The cost model is fitted from timed
+the gradient hooks), so layers timed while the codec was still warming up are timed again on as
+many steady iterations. The cost model is fitted from timed
 all-reduces of several sizes, γ from pairs run at once on two channels (asc-wfbp eq. 9), the
 slowdowns of computation and communication from the two timed alone and together, the computing thread's
 time per op (`host`) from computation run with and without small ops launched through the executor
@@ -314,12 +314,13 @@ class Measurement:
 
 
 class ProfileCalibration(Measurement):
-    """Runs `warmup` + `iterations` iterations under the initial plan, timing layers in the last
-    `iterations`, then installs the planner's plan built on the slowest rank's measured profile. When some
-    timed iterations were not in the codec's steady state, timing goes on under that plan until
-    `iterations` steady ones are counted, and the plan is made again on their profile. With a
-    planner that chooses among others (``auto``) and `plan_trials` > 1, the plans worth comparing
-    are then timed (PlanTrials)."""
+    """Runs `warmup` + `iterations` iterations under the calibration plans (every gradient in one
+    all-reduce at the end of the backward pass), timing layers in the last `iterations`, then
+    installs the planner's plan built on the slowest rank's profile. When some timed iterations
+    were not in the codec's steady state, `iterations` steady ones are timed again under the
+    calibration plans, and while the codec still warms up a plan made on the first timing runs in
+    the meantime. With a planner that chooses among others (``auto``) and `plan_trials` > 1, the
+    plans worth comparing are then timed (PlanTrials)."""
 
     def __init__(self, layout: ParameterLayout, cost: CostModel, warmup: int, iterations: int, name: str,
                  steady_rounds: list[tuple[str, ...]], plan_trials: int):
@@ -333,7 +334,7 @@ class ProfileCalibration(Measurement):
         self.seen = 0
         self.counted = 0
         self.all_steady = True
-        self.planned = False  # a plan was installed from iterations that were not all steady
+        self.interim: ModelProfile | None = None  # the profile of the plan run while the codec warms up
         self.update_samples: list[float] = []  # IterationStats.update_time of the counted iterations
 
     def forward_start(self) -> None:
@@ -351,7 +352,13 @@ class ProfileCalibration(Measurement):
     def iteration_done(self, sync) -> None:
         self.seen += 1
         steady = sync.rounds_now in self.steady_rounds
-        if self.seen <= self.warmup or (self.planned and not steady):
+        next_steady = sync.codec.rounds(sync.sync_steps) in self.steady_rounds
+        if self.seen <= self.warmup:
+            return
+        if self.interim is not None:  # the codec warms up under a plan made on its warm-up iterations
+            if next_steady:
+                sync.install_plan(self.interim, self.cost, CALIBRATION_PLANNER, CALIBRATION_OPTIONS)
+                self.interim = None
             return
         self.timer.count_iteration()
         self.update_samples.append(sync.history[-1].update_time)
@@ -364,16 +371,19 @@ class ProfileCalibration(Measurement):
         slowest = share_largest(profile.to_dict(), profile.forward_time + profile.backward_time,
                                 sync.channels.process_group)  # the iteration goes at its pace
         measured = ModelProfile.from_dict(slowest)
-        trials = PlanTrials.start(sync, measured, self.cost, self.plan_trials) if self.all_steady else None
-        if trials is None:
-            sync.install_plan(measured, self.cost)
-        if self.all_steady:
-            self.timer.remove()
-            sync.measurement = trials
-        else:
+        if not self.all_steady:  # time steady iterations again, under the calibration plans
             self.timer.clear()
             self.update_samples.clear()
-            self.planned, self.counted, self.all_steady = True, 0, True
+            self.counted, self.all_steady = 0, True
+            if not next_steady:
+                sync.install_plan(measured, self.cost)
+                self.interim = measured
+            return
+        trials = PlanTrials.start(sync, measured, self.cost, self.plan_trials)
+        if trials is None:
+            sync.install_plan(measured, self.cost)
+        self.timer.remove()
+        sync.measurement = trials
 
 
 TRIAL_ITERATIONS = 3  # timed per trial, after one to settle; rounded up to whole codec cycles
