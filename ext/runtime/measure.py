@@ -230,8 +230,9 @@ def slowdowns_of(compute_alone: float, transfer_alone: float, compute_together: 
     """(σ, τ) from one probe: σ = together / alone for the computation; the transfer, which
     outlasts it, progressed at 1/τ while the computation ran, so its extra time is D − D/τ with D
     the computation's time together; τ capped at 20."""
-    extra, beside = transfer_together - transfer_alone, compute_together
-    return compute_together / compute_alone, min(MAX_SLOWDOWN, beside / max(beside - extra, beside / MAX_SLOWDOWN))
+    extra = transfer_together - transfer_alone
+    tau = compute_together / max(compute_together - extra, compute_together / MAX_SLOWDOWN)
+    return compute_together / compute_alone, min(MAX_SLOWDOWN, tau)
 
 
 HOST_PROBE_OPS = 16
@@ -366,24 +367,29 @@ class ProfileCalibration(Measurement):
         self.all_steady = self.all_steady and steady
         if self.counted < self.iterations:
             return
-        timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
-        profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
-        slowest = share_largest(profile.to_dict(), profile.forward_time + profile.backward_time,
-                                sync.channels.process_group)  # the iteration goes at its pace
-        measured = ModelProfile.from_dict(slowest)
         if not self.all_steady:  # time steady iterations again, under the calibration plans
+            if not next_steady:  # meanwhile, a plan made on these
+                self.interim = self._slowest_profile(sync)
+                sync.install_plan(self.interim, self.cost)
             self.timer.clear()
             self.update_samples.clear()
             self.counted, self.all_steady = 0, True
-            if not next_steady:
-                sync.install_plan(measured, self.cost)
-                self.interim = measured
             return
+        measured = self._slowest_profile(sync)
         trials = PlanTrials.start(sync, measured, self.cost, self.plan_trials)
         if trials is None:
             sync.install_plan(measured, self.cost)
         self.timer.remove()
         sync.measurement = trials
+
+    def _slowest_profile(self, sync) -> ModelProfile:
+        """The timed profile, its plan's host time taken out, of the rank whose computation is the
+        slowest (the iteration goes at its pace), on every rank."""
+        timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
+        profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
+        slowest = share_largest(profile.to_dict(), profile.forward_time + profile.backward_time,
+                                sync.channels.process_group)
+        return ModelProfile.from_dict(slowest)
 
 
 TRIAL_ITERATIONS = 3  # timed per trial, after one to settle; rounded up to whole codec cycles
