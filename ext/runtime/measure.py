@@ -13,8 +13,8 @@ all-reduces of several sizes, γ from pairs run at once on two channels (asc-wfb
 slowdowns of computation and communication from the two timed alone and together, the computing thread's
 time per op (`host`) from computation run with and without small ops launched through the executor
 between its slices. The host time of the timed plan's op is taken out of the layers' times before
-planning. Every rank plans with the profile of the rank whose computation is the slowest (the
-synchronised iteration goes at its pace) and the cost measured together.
+planning. Every rank plans with rank 0's layers, each with its largest times over the ranks (the
+synchronised iteration waits for the slowest), and with the cost measured together.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..agreement import share_largest
+from ..agreement import gather_from_all
 from ..compress.planning import chooses_among_planners, plan_alternatives, steady_layouts
 from ..cost import CostModel
 from ..plan import BACKWARD, Op, Plan, Slice
@@ -317,7 +317,7 @@ class Measurement:
 class ProfileCalibration(Measurement):
     """Runs `warmup` + `iterations` iterations under the calibration plans (every gradient in one
     all-reduce at the end of the backward pass), timing layers in the last `iterations`, then
-    installs the planner's plan built on the slowest rank's profile. When some timed iterations
+    installs the planner's plan built on the ranks' slowest times. When some timed iterations
     were not in the codec's steady state, `iterations` steady ones are timed again under the
     calibration plans, and while the codec still warms up a plan made on the first timing runs in
     the meantime. With a planner that chooses among others (``auto``) and `plan_trials` > 1, the
@@ -383,13 +383,27 @@ class ProfileCalibration(Measurement):
         sync.measurement = trials
 
     def _slowest_profile(self, sync) -> ModelProfile:
-        """The timed profile, its plan's host time taken out, of the rank whose computation is the
-        slowest (the iteration goes at its pace), on every rank."""
+        """The timed profile, its plan's host time taken out, with every layer's largest times over
+        the ranks (`slowest_times`), on every rank."""
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
-        slowest = share_largest(profile.to_dict(), profile.forward_time + profile.backward_time,
-                                sync.channels.process_group)
-        return ModelProfile.from_dict(slowest)
+        profiles = gather_from_all(profile.to_dict(), sync.channels.process_group)
+        return slowest_times([ModelProfile.from_dict(data) for data in profiles])
+
+
+def slowest_times(profiles: list[ModelProfile]) -> ModelProfile:
+    """The first profile's layers, in its order, each with its largest forward, backward and
+    update time over `profiles` (one per rank): a synchronised iteration waits for the slowest
+    rank at every layer's ops."""
+    by_name = [{layer.name: layer for layer in profile.layers} for profile in profiles]
+
+    def largest(layer: LayerProfile, attr: str) -> float:
+        return max(getattr(layers[layer.name], attr) for layers in by_name)
+
+    first = profiles[0]
+    layers = tuple(replace(layer, forward_time=largest(layer, "forward_time"), backward_time=largest(layer, "backward_time"),
+                           update_time=largest(layer, "update_time")) for layer in first.layers)
+    return ModelProfile(first.name, layers, dict(first.metadata))
 
 
 TRIAL_ITERATIONS = 3  # timed per trial, after one to settle; rounded up to whole codec cycles
