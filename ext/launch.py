@@ -6,13 +6,18 @@ calls can follow one another in one program (e.g. the jobs of a sweep).
 from __future__ import annotations
 
 import os
+import queue as queues
 import shutil
 import socket
 import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+POLL_SECONDS = 0.5  # how often a waiting parent looks for ranks that died without a word
 
 
 class RankFailed(RuntimeError):
@@ -23,6 +28,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _collect(queue, processes, timeout: float) -> dict:
+    """Each rank's (status, value) as it reports; a process gone without a report counts as failed."""
+    results, deadline = {}, time.monotonic() + timeout
+    while len(results) < len(processes):
+        try:
+            rank, status, value = queue.get(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+            results[rank] = (status, value)
+            continue
+        except queues.Empty:
+            pass
+        # a report written just before the process ended may still be in the pipe: one more look
+        dead = [r for r, p in enumerate(processes) if r not in results and p.exitcode not in (None, 0)]
+        if dead:
+            for rank, status, value in _drain(queue, POLL_SECONDS):
+                results[rank] = (status, value)
+        for rank in dead:
+            results.setdefault(rank, ("error", f"process exited with code {processes[rank].exitcode} "
+                                               "without reporting"))
+        if len(results) < len(processes) and time.monotonic() >= deadline:
+            raise TimeoutError(f"ranks {sorted(set(range(len(processes))) - set(results))} did not report "
+                               f"within {timeout:g} s")
+    return results
+
+
+def _drain(queue, wait: float) -> list:
+    reports = []
+    try:
+        while True:
+            reports.append(queue.get(timeout=wait))
+    except queues.Empty:
+        return reports
 
 
 def _entry(rank, world_size, port, rendezvous, backend, threads, fn, args, queue):
@@ -48,7 +86,9 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     values: tensors would not outlive the rank's process).
 
     A failing rank raises RankFailed, or with `return_errors` every rank's ("ok" | "error", value)
-    comes back instead. Ranks that do not report within `timeout` seconds are killed.
+    comes back instead; a rank whose process dies without reporting (a crash, a kill, arguments
+    it cannot unpickle) fails with its exit code at once. Ranks that do not report within `timeout`
+    seconds are killed.
     """
     context = mp.get_context("spawn")
     queue = context.Queue()
@@ -60,11 +100,8 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
                  for r in range(world_size)]
     for process in processes:
         process.start()
-    results = {}
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
-            results[rank] = (status, value)
+        results = _collect(queue, processes, timeout)
     finally:
         for process in processes:
             process.join(timeout=10)
