@@ -16,7 +16,8 @@ Two terms are not in the papers, whose ops cost the computation nothing. With a 
 op in the gradient hook of the layer that completes it (or later, as ops launch in channel order),
 which delays every layer computed after it; forward-phase ops when the backward pass ends. With its
 `compute_slowdown` σ > 1, the computing thread's work (layers, updates, launches) progresses at
-1/σ of its rate while any op is in flight, and with its `transfer_slowdown` τ > 1 the ops'
+1/σ of its rate while any op transmits (not while ops only start up: waiting on the network takes
+no processor), and with its `transfer_slowdown` τ > 1 the ops'
 transmissions progress at 1/τ of their rate while the thread computes: the two share the ranks'
 processors.
 Compressed plans are simulated on their wire profile (gradsync.compress.wire_profile): tensor
@@ -101,6 +102,10 @@ class InFlight:
     def active(self) -> bool:
         """Whether any op is in flight (starting up or transmitting)."""
         return bool(self.starting or self.transmitting)
+
+    @property
+    def transmits(self) -> bool:
+        return bool(self.transmitting)
 
     def next_event(self, clock: float, pace: float = 1.0) -> float:
         """When the next op ends its start-up or its transmission (inf with none in flight), the
@@ -214,7 +219,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
                 start[index] = clock
                 in_flight.start(index, nbytes[index])
         running = task < len(tasks) and not waiting
-        slowdown = cost.compute_slowdown if in_flight.active else 1.0
+        slowdown = cost.compute_slowdown if in_flight.transmits else 1.0
         pace = cost.transfer_slowdown if running and remaining > 0 else 1.0
         if running and begun is None:
             begun = clock

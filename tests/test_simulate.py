@@ -136,16 +136,16 @@ def test_host_must_be_a_finite_number_at_least_zero():
             CostModel(1 * MS, 1e-6, host=bad)
 
 
-def test_computation_runs_slower_while_ops_are_in_flight():
+def test_computation_runs_slower_while_ops_transmit():
     profile = toy_profile([(1000, 1, 10)] * 3)
     slowed = CostModel(1 * MS, 1e-6, compute_slowdown=2.0)
     timeline = simulate(planners.get("wfbp")(profile, slowed), profile, slowed)
-    # layer 2 0→10 alone; its op 10→15, so layer 1 does 2.5 ms of work by 15 and the rest alone:
-    # 10→22.5; op 22.5→27.5 beside layer 0 (2.5 ms of work), which ends at 35; op 35→40; forward
-    # 40→43 (38 ms without the slowdown)
-    assert [s.end for s in timeline.layers if s.kind == "backward"] == pytest.approx([35 * MS, 22.5 * MS, 10 * MS])
-    assert [s.end for s in timeline.ops] == pytest.approx([15 * MS, 27.5 * MS, 40 * MS])
-    assert timeline.iteration_time == pytest.approx(43 * MS)
+    # layer 2 0→10 alone; its op starts up 10→11 (layer 1 at full speed: 1 ms of work) and
+    # transmits 11→15 (2 ms of work), so layer 1 ends alone at 22; op 22→23→27 beside layer 0
+    # likewise, which ends at 34; op 34→39; forward 39→42 (38 ms without the slowdown)
+    assert [s.end for s in timeline.layers if s.kind == "backward"] == pytest.approx([34 * MS, 22 * MS, 10 * MS])
+    assert [s.end for s in timeline.ops] == pytest.approx([15 * MS, 27 * MS, 39 * MS])
+    assert timeline.iteration_time == pytest.approx(42 * MS)
 
 
 def test_transmissions_run_slower_while_the_thread_computes():
@@ -161,12 +161,13 @@ def test_transmissions_run_slower_while_the_thread_computes():
 def test_forward_phase_ops_slow_the_forward_they_overlap():
     profile = toy_profile([(1000, 4, 2), (1000, 1, 2)])
     plan = Plan((Op((Slice("t0", 0, 1000),)), Op((Slice("t1", 0, 1000),), phase=FORWARD)))
-    # backward 0→4; t0 4→9; t1 (forward phase) 9→14; layer 0's forward from 9, half speed until 14
-    # (2.5 of its 4 ms), alone 14→15.5; layer 1 waits for t1: 15.5→16.5
+    # backward 0→4; t0 4→9; t1 (forward phase) 9→14, starting up until 10; layer 0's forward
+    # from 9, full speed until 10, half speed while t1 transmits (2 of its 4 ms by 14), alone
+    # 14→15; layer 1 waits for t1: 15→16
     plain = simulate(plan, profile, COST)
     slowed = simulate(plan, profile, CostModel(1 * MS, 1e-6, compute_slowdown=2.0))
     assert [s.end for s in plain.layers if s.kind == "forward"] == pytest.approx([13 * MS, 15 * MS])
-    assert [s.end for s in slowed.layers if s.kind == "forward"] == pytest.approx([15.5 * MS, 16.5 * MS])
+    assert [s.end for s in slowed.layers if s.kind == "forward"] == pytest.approx([15 * MS, 16 * MS])
 
 
 @pytest.mark.parametrize("attr", ["compute_slowdown", "transfer_slowdown"])

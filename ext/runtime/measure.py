@@ -13,8 +13,8 @@ all-reduces of several sizes, γ from pairs run at once on two channels (asc-wfb
 slowdowns of computation and communication from the two timed alone and together, the computing thread's
 time per op (`host`) from computation run with and without small ops launched through the executor
 between its slices. The host time of the timed plan's op is taken out of the layers' times before
-planning. Every rank plans with rank 0's layers, each with its largest times over the ranks (the
-synchronised iteration waits for the slowest), and with the cost measured together.
+planning. Every rank plans with rank 0's layers, timed as the slowest rank measured them (the
+synchronised iteration waits for it), and with the cost measured together.
 """
 from __future__ import annotations
 
@@ -246,8 +246,8 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
     after each slice, as the runtime does; the difference per op, the median over `repeats` such
     pairs and then over the ranks (one rank descheduled in one pair must not set it for all). The
     ops are completed after the clock stops: what remains of their transfers then is
-    communication, not the computing thread's time. The slowdown of the computation while each op
-    is in flight, a·(1 − 1/σ) in the simulator's model with `cost`'s σ, is not counted in it."""
+    communication, not the computing thread's time. A single-element op barely transmits, so the
+    simulator's slowdown σ (charged while ops transmit) takes no share of the difference."""
     names = [f"probe{i}" for i in range(ops)]
     parameters = {}
     for name in names:
@@ -276,8 +276,7 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
     for _ in range(repeats):
         alone = timed(False)
         differences.append(timed(True) - alone)
-    overlapped = (ops - 1) * cost.a * (1 - 1 / cost.compute_slowdown)  # the last op: after the clock stops
-    return max(0.0, (_median_over_ranks(channels, _median(differences), device) - overlapped) / ops)
+    return max(0.0, _median_over_ranks(channels, _median(differences), device) / ops)
 
 
 def without_host(profile: ModelProfile, plan: Plan, host: float) -> ModelProfile:
@@ -383,8 +382,8 @@ class ProfileCalibration(Measurement):
         sync.measurement = trials
 
     def _slowest_profile(self, sync) -> ModelProfile:
-        """The timed profile, its plan's host time taken out, with every layer's largest times over
-        the ranks (`slowest_times`), on every rank."""
+        """The timed profile, its plan's host time taken out, with the slowest rank's times
+        (`slowest_times`), on every rank."""
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
         profiles = gather_from_all(profile.to_dict(), sync.channels.process_group)
@@ -392,17 +391,17 @@ class ProfileCalibration(Measurement):
 
 
 def slowest_times(profiles: list[ModelProfile]) -> ModelProfile:
-    """The first profile's layers, in its order, each with its largest forward, backward and
-    update time over `profiles` (one per rank): a synchronised iteration waits for the slowest
-    rank at every layer's ops."""
-    by_name = [{layer.name: layer for layer in profile.layers} for profile in profiles]
-
-    def largest(layer: LayerProfile, attr: str) -> float:
-        return max(getattr(layers[layer.name], attr) for layers in by_name)
-
+    """The first profile's layers, in its order, each with the times the slowest rank measured
+    for it: the rank with the largest forward + backward + update total among `profiles` (one
+    per rank), whom a synchronised iteration waits for. One rank's times, not each layer's
+    largest over the ranks: with independent noise per layer, a sum of maxima overstates
+    every rank's iteration."""
+    slowest = max(profiles, key=lambda p: p.forward_time + p.backward_time + p.update_time)
+    times = {layer.name: layer for layer in slowest.layers}
     first = profiles[0]
-    layers = tuple(replace(layer, forward_time=largest(layer, "forward_time"), backward_time=largest(layer, "backward_time"),
-                           update_time=largest(layer, "update_time")) for layer in first.layers)
+    layers = tuple(replace(layer, forward_time=times[layer.name].forward_time,
+                           backward_time=times[layer.name].backward_time,
+                           update_time=times[layer.name].update_time) for layer in first.layers)
     return ModelProfile(first.name, layers, dict(first.metadata))
 
 
