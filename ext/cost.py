@@ -125,10 +125,8 @@ class CostModel:
         name: str = "fitted",
         clamp: bool = False,
     ) -> "CostModel":
-        """a and b from (bytes, seconds) samples by least squares on the relative error (the
-        sizes span orders of magnitude: on absolute errors the largest sizes' noise would set a,
-        which every small op pays); γ from the times of two simultaneous all-reduces of each size
-        in `concurrent_sizes` (asc-wfbp eq. 9: a + γ·b·m).
+        """Least-squares a and b from (bytes, seconds) samples; γ from the times of two
+        simultaneous all-reduces of each size in `concurrent_sizes` (asc-wfbp eq. 9: a + γ·b·m).
 
         A fit with a ≤ 0 or b ≤ 0 raises, unless `clamp` (for live measurements, where such a fit
         means the term is below what the samples resolve): then it is set to its smallest value
@@ -139,8 +137,8 @@ class CostModel:
             raise ConfigError("cost fit: needs at least two distinct sizes with one time each")
         if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(y)):
             raise ConfigError("cost fit: sizes must be >= 0 and times finite and > 0")
-        design = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
-        (a, b), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+        design = np.stack([np.ones_like(x), x], axis=1)
+        (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
         if clamp:
             a, b = max(a, 0.01 * float(y.min())), max(b, 1e-15)
         if a <= 0 or b <= 0:
