@@ -34,15 +34,10 @@ def _collect(queue, processes, timeout: float) -> dict:
     """Each rank's (status, value) as it reports; a process gone without a report counts as failed."""
     results, deadline = {}, time.monotonic() + timeout
     while len(results) < len(processes):
-        try:
-            rank, status, value = queue.get(timeout=min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+        for rank, status, value in _drain(queue, min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
             results[rank] = (status, value)
-            continue
-        except queues.Empty:
-            pass
-        # a report written just before the process ended may still be in the pipe: one more look
         dead = [r for r, p in enumerate(processes) if r not in results and p.exitcode not in (None, 0)]
-        if dead:
+        if dead:  # a report written just before the process ended may still be in the pipe: one more look
             for rank, status, value in _drain(queue, POLL_SECONDS):
                 results[rank] = (status, value)
         for rank in dead:
@@ -55,6 +50,7 @@ def _collect(queue, processes, timeout: float) -> dict:
 
 
 def _drain(queue, wait: float) -> list:
+    """The reports that arrive until `wait` seconds pass without one."""
     reports = []
     try:
         while True:

@@ -105,6 +105,7 @@ class InFlight:
 
     @property
     def transmits(self) -> bool:
+        """Whether any op is past its start-up (the computation is slowed only then)."""
         return bool(self.transmitting)
 
     def next_event(self, clock: float, pace: float = 1.0) -> float:
