@@ -570,21 +570,17 @@ def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
     assert output.shape == (2, 4)
 
 
-def test_every_rank_plans_with_the_slowest_ranks_times_in_rank_0s_order():
+def test_every_rank_plans_with_each_layers_slowest_times_in_rank_0s_order():
     from gradsync.profile import LayerProfile, ModelProfile
     from gradsync.runtime.measure import slowest_times
 
     profile = synthetic_profile(TiedNet())
     names = [layer.name for layer in profile.layers]
-    # slower in total, though faster at some layers; its layers listed in another order
     slower = ModelProfile(profile.name, tuple(reversed([
         LayerProfile(l.name, l.tensors, 2 * l.forward_time if i % 2 else 0.0, l.backward_time / 2, l.update_time + 1)
         for i, l in enumerate(profile.layers)])))
-    assert slower.update_time > profile.forward_time + profile.backward_time
-    for ranks in ([profile, slower], [profile, slower, profile]):
-        merged = slowest_times(ranks)
-        assert [layer.name for layer in merged.layers] == names  # rank 0's order
-        for i, (layer, mine) in enumerate(zip(merged.layers, profile.layers)):
-            assert layer.forward_time == (2 * mine.forward_time if i % 2 else 0.0)
-            assert layer.backward_time == mine.backward_time / 2 and layer.update_time == mine.update_time + 1
-    assert slowest_times([slower, profile]).layers == slower.layers
+    merged = slowest_times([profile, slower])
+    assert [layer.name for layer in merged.layers] == names  # rank 0's order
+    for i, (layer, mine) in enumerate(zip(merged.layers, profile.layers)):
+        assert layer.forward_time == (2 * mine.forward_time if i % 2 else mine.forward_time)
+        assert layer.backward_time == mine.backward_time and layer.update_time == mine.update_time + 1

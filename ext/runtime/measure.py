@@ -13,8 +13,10 @@ all-reduces of several sizes, γ from pairs run at once on two channels (asc-wfb
 slowdowns of computation and communication from the two timed alone and together, the computing thread's
 time per op (`host`) from computation run with and without small ops launched through the executor
 between its slices. The host time of the timed plan's op is taken out of the layers' times before
-planning. Every rank plans with rank 0's layers, timed as the slowest rank measured them (the
-synchronised iteration waits for it), and with the cost measured together.
+planning. Every rank plans with rank 0's layers, each with its largest times over the ranks (ranks
+meet at every op, so an iteration waits for the slowest rank at each), and with the cost measured
+together. (One rank's times for all layers, the slowest rank's, would give a layer that only other
+ranks run no time at all.)
 """
 from __future__ import annotations
 
@@ -382,8 +384,8 @@ class ProfileCalibration(Measurement):
         sync.measurement = trials
 
     def _slowest_profile(self, sync) -> ModelProfile:
-        """The timed profile, its plan's host time taken out, with the slowest rank's times
-        (`slowest_times`), on every rank."""
+        """The timed profile, its plan's host time taken out, with every layer's largest times over
+        the ranks (`slowest_times`), on every rank."""
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
         profiles = gather_from_all(profile.to_dict(), sync.channels.process_group)
@@ -391,17 +393,17 @@ class ProfileCalibration(Measurement):
 
 
 def slowest_times(profiles: list[ModelProfile]) -> ModelProfile:
-    """The first profile's layers, in its order, each with the times the slowest rank measured
-    for it: the rank with the largest forward + backward + update total among `profiles` (one
-    per rank), whom a synchronised iteration waits for. One rank's times, not each layer's
-    largest over the ranks: with independent noise per layer, a sum of maxima overstates
-    every rank's iteration."""
-    slowest = max(profiles, key=lambda p: p.forward_time + p.backward_time + p.update_time)
-    times = {layer.name: layer for layer in slowest.layers}
+    """The first profile's layers, in its order, each with its largest forward, backward and
+    update time over `profiles` (one per rank): a synchronised iteration waits for the slowest
+    rank at every layer's ops."""
+    by_name = [{layer.name: layer for layer in profile.layers} for profile in profiles]
+
+    def largest(layer: LayerProfile, attr: str) -> float:
+        return max(getattr(layers[layer.name], attr) for layers in by_name)
+
     first = profiles[0]
-    layers = tuple(replace(layer, forward_time=times[layer.name].forward_time,
-                           backward_time=times[layer.name].backward_time,
-                           update_time=times[layer.name].update_time) for layer in first.layers)
+    layers = tuple(replace(layer, forward_time=largest(layer, "forward_time"), backward_time=largest(layer, "backward_time"),
+                           update_time=largest(layer, "update_time")) for layer in first.layers)
     return ModelProfile(first.name, layers, dict(first.metadata))
 
 
