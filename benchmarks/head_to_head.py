@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -43,6 +44,7 @@ from gradsync.topology import Topology, load, preset
 
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, from_topology, launch, netbed, uniform
 from benchmarks.overhead import small_cnn
+from benchmarks.simulator_replay import replay_record
 
 LOW_RANK = 4  # PowerSGD's r, equal for the torch hook and gradsync's powersgd and acp_sgd
 START_ITER = 2  # uncompressed steps before compression (the least the torch hook allows with error feedback)
@@ -204,8 +206,10 @@ class Variant:
     def report(self) -> dict:
         report = {"seconds": self.seconds, "comm_wait": self.comm_wait, "predicted": self.predicted}
         if self.gradsync:
-            report["plan"] = attached(self.model).plan.options.get("chosen")  # what `auto` picked
-            report["trials"] = attached(self.model).trial_times  # the plans `auto` timed, if any
+            sync = attached(self.model)
+            report["plan"] = sync.plan.options.get("chosen")  # what `auto` picked
+            report["trials"] = sync.trial_times  # the plans `auto` timed, if any
+            report["replay"] = replay_record(sync.layout_plans, sync.codec.steady_rounds(), sync.cost)
         return report
 
 
@@ -287,6 +291,7 @@ class RowResult:
     predicted: float | None
     plan: str | None
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
+    replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
 
     @property
     def error(self) -> float | None:
@@ -313,7 +318,7 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
                                median_over_blocks(label, "predicted", statistics.fmean))
         else:
             comm, predicted = (None if label == COMPUTE_ONLY else max(0.0, seconds - compute)), None
-        results[label] = RowResult(label, seconds, comm, predicted, row.get("plan"), row.get("trials"))
+        results[label] = RowResult(label, seconds, comm, predicted, row.get("plan"), row.get("trials"), row.get("replay"))
     return results
 
 
@@ -417,6 +422,14 @@ def markdown(command: str, summaries: dict[Setting, dict[str, RowResult]], costs
             continue
         lines += [costs[setting], "", *setting_table(setting, summaries[setting]), ""]
     return "\n".join(lines)
+
+
+def replay_file(summaries: dict[Setting, dict[str, RowResult]]) -> dict:
+    """Per setting, each gradsync row's measured time, prediction and what it was predicted from:
+    the data benchmarks.simulator_replay re-predicts."""
+    return {setting.title: {label: {"seconds": row.seconds, "predicted": row.predicted, "replay": row.replay}
+                            for label, row in results.items() if row.replay is not None}
+            for setting, results in summaries.items()}
 
 
 def chart(summaries: dict[Setting, dict[str, RowResult]], path: Path) -> None:
@@ -525,9 +538,10 @@ def main(argv=None) -> None:
     report = markdown(command, summaries, costs, failures, environment)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps(replay_file(summaries)) + "\n")
     if summaries:
         chart(summaries, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}\n")
+    print(f"wrote {args.out} and the .json and .png beside it\n")
     print(report)
 
 

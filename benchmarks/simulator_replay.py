@@ -1,0 +1,71 @@
+"""Re-predict a head-to-head's gradsync rows with the simulator as it is now.
+
+`python -m benchmarks.head_to_head` stores, beside its markdown, a JSON file with, per setting and
+gradsync row, the row's measured median time, the prediction made during the run and what that
+prediction was made from: the plan and wire profile of every layout, the codec's steady cycle of
+rounds and the cost model. Replaying re-runs only the simulator on them, so a change to the model can
+be judged on the same measurements (a new netbed run differs by its own noise).
+
+    .venv/bin/python -m benchmarks.simulator_replay [benchmarks/results/head_to_head.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from gradsync.compress.planning import LayoutPlan, predict_step
+from gradsync.cost import CostModel
+from gradsync.plan import Plan
+from gradsync.profile import ModelProfile
+
+DEFAULT_RECORD = Path(__file__).parent / "results" / "head_to_head.json"
+
+
+def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel) -> dict:
+    """What a row's prediction is made from, as JSON-ready data: each layout's plan and wire
+    profile, the rounds of the codec's steady cycle (a timed block covers whole cycles) and the
+    cost model."""
+    return {"layouts": {layout: {"plan": entry.plan.to_dict(), "wire": entry.wire.to_dict()}
+                        for layout, entry in layout_plans.items()},
+            "cycle": [list(rounds) for rounds in cycle], "cost": cost.to_dict()}
+
+
+def replayed_prediction(record: dict) -> float:
+    """The mean predicted step time over the stored cycle, simulated now (as the engine predicts
+    each step: gradsync.compress.planning.predict_step)."""
+    cost = CostModel(**record["cost"])  # its to_dict form
+    layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]), ModelProfile.from_dict(entry["wire"]))
+                    for layout, entry in record["layouts"].items()}
+    return statistics.fmean(predict_step(layout_plans, tuple(rounds), cost) for rounds in record["cycle"])
+
+
+def replay(stored: dict) -> list[tuple[str, str, float, float, float]]:
+    """(setting, row, measured, stored prediction, prediction now) of every replayable row."""
+    rows = []
+    for setting, entries in stored.items():
+        for label, row in entries.items():
+            rows.append((setting, label, row["seconds"], row["predicted"], replayed_prediction(row["replay"])))
+    return rows
+
+
+def main(argv=None) -> None:
+    cli = argparse.ArgumentParser(prog="python -m benchmarks.simulator_replay", description=__doc__.splitlines()[0])
+    cli.add_argument("record", type=Path, nargs="?", default=DEFAULT_RECORD, help="a head-to-head JSON file")
+    args = cli.parse_args(argv)
+    rows = replay(json.loads(args.record.read_text()))
+    if not rows:
+        raise SystemExit(f"simulator_replay: no gradsync row to replay in {args.record}")
+    print("| setting | row | measured ms | stored prediction (error) | prediction now (error) |")
+    print("|---|---|---|---|---|")
+    for setting, label, measured, stored, now in rows:
+        print(f"| {setting} | {label} | {measured * 1e3:.1f} | {stored * 1e3:.1f} ({(stored - measured) / measured:+.1%})"
+              f" | {now * 1e3:.1f} ({(now - measured) / measured:+.1%}) |")
+    for name, column in (("stored", 3), ("now", 4)):
+        errors = [abs(row[column] - row[2]) / row[2] for row in rows]
+        print(f"median |error| {name}: {statistics.median(errors):.1%} over {len(errors)} rows")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Replaying a head-to-head's stored rows re-predicts them with the simulator."""
+import json
+
+import pytest
+
+from benchmarks.simulator_replay import main, replay, replay_record, replayed_prediction
+from gradsync import compress
+from gradsync.compress.planning import predict_cycle
+from gradsync.cost import CostModel
+from gradsync.profile import zoo
+
+
+def stored_row(compressor, cost):
+    """A row as head_to_head stores it, and the mean predicted step of the codec's steady cycle."""
+    profile = zoo("resnet50")
+    codec = compress.build(compressor)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 4, seed=0)
+    plans, seconds = predict_cycle(profile, cost, "mg_wfbp", codec, {})
+    record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), cost)))
+    return record, seconds
+
+
+@pytest.mark.parametrize("compressor", [None, {"type": "powersgd", "rank": 4}, {"type": "acp_sgd", "rank": 4}])
+def test_a_stored_row_replays_to_the_prediction_made_from_it(compressor):
+    cost = CostModel(a=1e-3, b=8e-9, gamma=1.5, host=2e-4, compute_slowdown=1.2, transfer_slowdown=1.1)
+    record, seconds = stored_row(compressor, cost)
+    assert replayed_prediction(record) == pytest.approx(seconds, rel=1e-12)
+    slower = dict(record, cost=CostModel(a=2e-3, b=16e-9).to_dict())  # the record's own cost is used
+    assert replayed_prediction(slower) != pytest.approx(seconds, rel=1e-3)
+
+
+def test_replay_lists_every_row_and_prints_both_errors(tmp_path, capsys):
+    cost = CostModel(a=1e-3, b=8e-9)
+    record, seconds = stored_row(None, cost)
+    stored = {"setting": {"gradsync mg_wfbp": {"seconds": seconds * 2, "predicted": seconds * 1.5, "replay": record}}}
+    rows = replay(stored)
+    assert len(rows) == 1 and rows[0][:4] == ("setting", "gradsync mg_wfbp", seconds * 2, seconds * 1.5)
+    assert rows[0][4] == pytest.approx(seconds)
+    path = tmp_path / "head_to_head.json"
+    path.write_text(json.dumps(stored))
+    main([str(path)])
+    output = capsys.readouterr().out
+    assert "median |error| stored: 25.0% over 1 rows" in output and "median |error| now: 50.0% over 1 rows" in output
+
+
+def test_a_record_without_rows_is_refused(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="no gradsync row"):
+        main([str(path)])
