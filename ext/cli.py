@@ -50,9 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--host", type=float, default=0.0,
                          help="seconds of the computing thread each op takes (default 0, as in the papers)")
         sub.add_argument("--compute-slowdown", type=float, default=1.0,
-                         help="times slower the computation runs while an op is in flight (default 1)")
+                         help="times slower the computation runs while an op transmits (default 1)")
         sub.add_argument("--transfer-slowdown", type=float, default=1.0,
                          help="times slower transmissions run while the thread computes (default 1)")
+        sub.add_argument("--ops-per-channel", type=int, default=1,
+                         help="ops one channel runs at once (default 1, as in the papers; gloo runs 2)")
         sub.add_argument("--compressor", default=None, help=f"one of: {', '.join(compress.names())}")
         sub.add_argument("-c", "--compressor-option", type=_option, action="append", default=[],
                          metavar="KEY=VALUE", help="compressor option, e.g. -c rank=4")
@@ -87,12 +89,14 @@ def _cost(args) -> CostModel:
         if args.a is None or args.b is None:
             raise ConfigError("--a and --b must be given together")
         return CostModel(args.a, args.b, 1.0 if args.gamma is None else args.gamma, host=args.host,
-                         compute_slowdown=args.compute_slowdown, transfer_slowdown=args.transfer_slowdown)
+                         compute_slowdown=args.compute_slowdown, transfer_slowdown=args.transfer_slowdown,
+                         ops_per_channel=args.ops_per_channel)
     if not args.cluster:
         raise ConfigError(f"give --cluster (one of: {', '.join(PRESETS)}) or --a and --b")
     cost = CostModel.preset(args.cluster, workers=args.workers)
     return replace(cost, gamma=cost.gamma if args.gamma is None else args.gamma, host=args.host,
-                   compute_slowdown=args.compute_slowdown, transfer_slowdown=args.transfer_slowdown)
+                   compute_slowdown=args.compute_slowdown, transfer_slowdown=args.transfer_slowdown,
+                   ops_per_channel=args.ops_per_channel)
 
 
 @dataclass

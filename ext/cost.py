@@ -31,9 +31,11 @@ class CostModel:
     """All-reduce time ``a + b·bytes`` in seconds (asc-wfbp eq. 3), contention γ (eq. 9), and how
     communication and computation slow each other where they share the ranks' processors:
     `host`, the seconds of the computing thread each op takes (launching it, handling its result);
-    `compute_slowdown`, how many times slower the computation runs while an op is in flight;
-    `transfer_slowdown`, how many times slower an op progresses while the computation runs. The
-    papers' model has host = 0 and both slowdowns 1: their ops and computation never meet."""
+    `compute_slowdown`, how many times slower the computation runs while an op transmits;
+    `transfer_slowdown`, how many times slower an op progresses while the computation runs;
+    `ops_per_channel`, how many ops one channel runs at once (an NCCL communicator runs one, a gloo
+    process group one per worker thread, two by default). The papers' model has host = 0 and both
+    slowdowns 1 (their ops and computation never meet) and one op per channel."""
 
     a: float
     b: float
@@ -42,6 +44,7 @@ class CostModel:
     host: float = 0.0
     compute_slowdown: float = 1.0
     transfer_slowdown: float = 1.0
+    ops_per_channel: int = 1
     fit_report: FitReport | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +61,8 @@ class CostModel:
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
                 raise ConfigError(f"cost model: '{attr}' must be a finite number >= 1, got {value!r}")
+        if isinstance(self.ops_per_channel, bool) or not isinstance(self.ops_per_channel, int) or self.ops_per_channel < 1:
+            raise ConfigError(f"cost model: 'ops_per_channel' must be an integer >= 1, got {self.ops_per_channel!r}")
 
     def allreduce_time(self, nbytes: float) -> float:
         """T_ar(m) = a + b·m, and 0 for an empty message (us-byte eq. 1)."""
@@ -69,7 +74,8 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma, "host": self.host,
-                "compute_slowdown": self.compute_slowdown, "transfer_slowdown": self.transfer_slowdown}
+                "compute_slowdown": self.compute_slowdown, "transfer_slowdown": self.transfer_slowdown,
+                "ops_per_channel": self.ops_per_channel}
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod

@@ -2,8 +2,9 @@
 
 Time 0 is the start of the backward pass (us-byte §3). Layers run backward from output to input
 (us-byte eq. 2). An op becomes ready when all its slices are computed (and, for forward-phase ops,
-when the backward pass has ended: us-byte eq. 9); it starts once ready and once the op before it on
-its channel has finished (eq. 3). An op lasts ``a`` (start-up) and then transmits ``b·bytes`` of
+when the backward pass has ended: us-byte eq. 9); it starts once ready, once the op before it on
+its channel has started and once its channel runs fewer than the cost model's `ops_per_channel`
+ops: with one (the papers' model), once the op before it has finished (eq. 3). An op lasts ``a`` (start-up) and then transmits ``b·bytes`` of
 work; while k ops transmit at once each progresses at 1/s(k) of its solo
 rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
 the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
@@ -206,7 +207,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     end = [0.0] * count
     finished = [False] * count
     in_flight = InFlight(cost)
-    busy: set[int] = set()
+    running_on: dict[int, int] = {channel: 0 for channel in queues}  # ops in flight per channel
     layer_spans: list[LayerSpan] = []
     clock = backward_end = 0.0
     task, remaining, begun = 0, (tasks[0].work if tasks else 0.0), None
@@ -214,9 +215,9 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     done = 0
     while task < len(tasks) or done < count:
         for channel, queue in queues.items():
-            if channel not in busy and queue and ready[queue[-1]] <= clock:
+            while running_on[channel] < cost.ops_per_channel and queue and ready[queue[-1]] <= clock:
                 index = queue.pop()
-                busy.add(channel)
+                running_on[channel] += 1
                 start[index] = clock
                 in_flight.start(index, nbytes[index])
         running = task < len(tasks) and not waiting
@@ -230,7 +231,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         elif not running:
             raise RuntimeError(f"simulation stalled at {clock:.6f} s: task {task} waits for ops never launched")
         for index in in_flight.advance(clock, step, pace) if in_flight.active else ():
-            busy.discard(plan.ops[index].channel)
+            running_on[plan.ops[index].channel] -= 1
             end[index], finished[index] = clock + step, True
             waiting.discard(index)
             done += 1

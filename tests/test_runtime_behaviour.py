@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroupGloo
 
 import gradsync
 from gradsync import ConfigError, CostModel
@@ -99,7 +100,8 @@ def measured_plan(rank, world_size):
     profile = sync.profile
     result = {
         "planner": sync.plan.planner, "hash": sync.plan.hash, "a": sync.cost.a, "b": sync.cost.b,
-        "gamma": sync.cost.gamma, "host": sync.cost.host, "layers": [layer.name for layer in profile.layers],
+        "gamma": sync.cost.gamma, "host": sync.cost.host, "ops_per_channel": sync.cost.ops_per_channel,
+        "layers": [layer.name for layer in profile.layers],
         "forward": [layer.forward_time for layer in profile.layers],
         "backward": [layer.backward_time for layer in profile.layers],
         "iterations": len(sync.history),
@@ -118,6 +120,7 @@ def test_measured_profile_and_cost_are_sane_and_agree():
     assert first["layers"][-1] == "unused"
     assert 0 < first["a"] < 0.1 and 0 < first["b"] < 1e-6 and first["gamma"] >= 1 and 0 <= first["host"] < 0.1
     assert all(r["host"] == first["host"] and r["a"] == first["a"] for r in results)
+    assert first["ops_per_channel"] == ProcessGroupGloo._Options()._threads == 2  # a gloo group's worker threads
     assert all(t > 0 for t in first["forward"][:6]) and all(t >= 0 for t in first["backward"])
     assert first["iterations"] == 4
 

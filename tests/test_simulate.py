@@ -175,3 +175,23 @@ def test_slowdowns_must_be_finite_numbers_at_least_one(attr):
     for bad in (0.5, float("inf"), float("nan"), True, "2"):
         with pytest.raises(ConfigError, match=f"'{attr}'"):
             CostModel(1 * MS, 1e-6, **{attr: bad})
+
+
+def test_a_channel_runs_ops_per_channel_ops_at_once_sharing_the_link():
+    profile = toy_profile([(1000, 1, 2)] * 3)
+    two = CostModel(1 * MS, 1e-6, gamma=1.5, ops_per_channel=2)
+    timeline = simulate(planners.get("wfbp")(profile, two), profile, two)
+    # ready at 2, 4, 6 ms (each op: 1 ms start-up, 4 ms transmission alone). t2 starts at 2 and
+    # transmits alone 3→5 (2 ms done); t1 starts at 4 beside it; from 5 both transmit at 1/1.5:
+    # t2 ends at 8, t1 has 2 ms left. t0 waits for a free slot: starts at 8, starts up until 9
+    # while t1 transmits alone (1 ms left); both at 1/1.5: t1 ends at 10.5, t0 (3 ms left) at
+    # 13.5; forward 13.5→16.5 (20 ms with one op per channel)
+    assert [s.start for s in timeline.ops] == pytest.approx([2 * MS, 4 * MS, 8 * MS])
+    assert [s.end for s in timeline.ops] == pytest.approx([8 * MS, 10.5 * MS, 13.5 * MS])
+    assert timeline.iteration_time == pytest.approx(16.5 * MS)
+
+
+def test_ops_per_channel_must_be_an_integer_at_least_one():
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="'ops_per_channel'"):
+            CostModel(1 * MS, 1e-6, ops_per_channel=bad)

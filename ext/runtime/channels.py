@@ -1,8 +1,9 @@
 """Channels: one process group each, so collectives on different channels run simultaneously.
 
-Gloo runs the collectives of one process group in call order, and NCCL serialises the operations
-of one communicator; concurrency therefore needs one group per channel. Every rank issues the ops
-of a channel in the same (plan) order, which keeps several NCCL communicators deadlock-free.
+NCCL serialises the operations of one communicator and gloo starts those of one process group in
+call order, one per worker thread (two by default); more concurrency needs more groups. Every rank
+issues the ops of a channel in the same (plan) order, which keeps several NCCL communicators
+deadlock-free.
 
 Transport: the backend's all-reduce, or (given a topology) the forest packing's trees, executed
 by one `ForestAllReduce` per channel on that channel's group and thread.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
@@ -44,6 +46,14 @@ class Channels:
     def transport(self) -> str:
         """What carries every op: "forest" or the backend's "allreduce"."""
         return "forest" if self.forests else "allreduce"
+
+    @property
+    def ops_per_channel(self) -> int:
+        """How many ops one channel runs at once: a gloo group's worker threads, else one (an NCCL
+        communicator, or the forest's one thread per channel)."""
+        if self.forests or dist.get_backend(self.groups[0]) != dist.Backend.GLOO:
+            return 1
+        return self.groups[0]._get_backend(torch.device("cpu")).options._threads
 
     def __len__(self) -> int:
         return len(self.groups)

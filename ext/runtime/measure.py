@@ -124,7 +124,8 @@ class LayerTimer:
 
 def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
                  repeats: int = 5) -> CostModel:
-    """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1.
+    """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1;
+    then the slowdowns, the host time per op and how many ops a channel runs at once.
 
     Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
     at most 64 MiB). Each size's time is the median of `repeats` runs, maximised over ranks (the
@@ -159,7 +160,8 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     byte_sizes = [buffers[s].numel() * element for s in sizes]
     fitted = CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
                            measured[len(sizes):], name="measured", clamp=True)
-    slowed = replace(fitted, **measure_slowdowns(channels, fitted, dtype, device, repeats))
+    slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
+                     **measure_slowdowns(channels, fitted, dtype, device, repeats))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))
 
 
