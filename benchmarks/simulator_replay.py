@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from gradsync.compress.planning import LayoutPlan, predict_step
+from gradsync.compress.planning import LayoutPlan, predict_steady
 from gradsync.cost import CostModel
 from gradsync.plan import Plan
 from gradsync.profile import ModelProfile
@@ -33,12 +33,11 @@ def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ..
 
 
 def replayed_prediction(record: dict) -> float:
-    """The mean predicted step time over the stored cycle, simulated now (as the engine predicts
-    each step: gradsync.compress.planning.predict_step)."""
+    """The mean predicted step time over the stored cycle, simulated now."""
     cost = CostModel(**record["cost"])  # its to_dict form
     layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]), ModelProfile.from_dict(entry["wire"]))
                     for layout, entry in record["layouts"].items()}
-    return statistics.fmean(predict_step(layout_plans, tuple(rounds), cost) for rounds in record["cycle"])
+    return predict_steady(layout_plans, [tuple(rounds) for rounds in record["cycle"]], cost)
 
 
 def replay(stored: dict) -> list[tuple[str, str, float, float, float]]:

@@ -65,13 +65,17 @@ def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], c
     return clock + last.update_time + last.forward_time
 
 
+def predict_steady(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel) -> float:
+    """The mean predicted step time over `cycle`, the rounds of a codec's steady cycle of steps."""
+    return sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
+
+
 def predict_cycle(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,
                   flops_per_second: float | None = None) -> tuple[dict[str, LayoutPlan], float]:
     """The plans of every layout and the mean predicted step time over the codec's steady cycle
     (e.g. ACP-SGD's P step and Q step). `codec` must be set up on the profile's tensors."""
     layout_plans = plan_layouts(profile, cost, scheduler, codec, options, flops_per_second)
-    cycle = codec.steady_rounds()
-    return layout_plans, sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
+    return layout_plans, predict_steady(layout_plans, codec.steady_rounds(), cost)
 
 
 def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: str, options: dict,
