@@ -3,8 +3,9 @@
 `python -m benchmarks.head_to_head` stores, beside its markdown, a JSON file with, per setting and
 gradsync row, the row's measured median time, the prediction made during the run and what that
 prediction was made from: the plan and wire profile of every layout, the codec's steady cycle of
-rounds and the cost model. Replaying re-runs only the simulator on them, so a change to the model can
-be judged on the same measurements (a new netbed run differs by its own noise).
+rounds, the cost model and each rank's measured profile. Replaying re-runs only the simulator on
+them, so a change to the model can be judged on the same measurements (a new netbed run differs by
+its own noise).
 
     .venv/bin/python -m benchmarks.simulator_replay [benchmarks/results/head_to_head.json]
 """
@@ -23,13 +24,15 @@ from gradsync.profile import ModelProfile
 DEFAULT_RECORD = Path(__file__).parent / "results" / "head_to_head.json"
 
 
-def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel) -> dict:
+def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel,
+                  rank_profiles: list[ModelProfile] = ()) -> dict:
     """What a row's prediction is made from, as JSON-ready data: each layout's plan and wire
     profile, the rounds of the codec's steady cycle (a timed block covers whole cycles) and the
-    cost model."""
+    cost model; with each rank's measured profile, which the wire profiles were combined from."""
     return {"layouts": {layout: {"plan": entry.plan.to_dict(), "wire": entry.wire.to_dict()}
                         for layout, entry in layout_plans.items()},
-            "cycle": [list(rounds) for rounds in cycle], "cost": cost.to_dict()}
+            "cycle": [list(rounds) for rounds in cycle], "cost": cost.to_dict(),
+            "rank_profiles": [profile.to_dict() for profile in rank_profiles]}
 
 
 def replayed_prediction(record: dict) -> float:

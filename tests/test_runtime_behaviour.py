@@ -529,20 +529,27 @@ def measured_with_a_slow_update(rank, world_size, pause):
     # the training loop's own work (the sleep after the step) is not the engine's: not in the update time
     sync = trained_with_measurement(rank, lambda parameters: SlowSGD(parameters, pause, lr=0.1),
                                     after_step=lambda: time.sleep(pause))
+    from gradsync.runtime.measure import slowest_times
+
     layers = max(max(layer.forward_time, layer.backward_time) for layer in sync.profile.layers)
     last = sync.history[-1]
     result = sync.profile.update_time, layers, last.predicted_time, last.update_time, last.comm_wait
+    ranks = [profile.to_dict() for profile in sync.rank_profiles]
+    combined = slowest_times(sync.rank_profiles) == sync.profile
     sync.detach()
-    return result
+    return result, ranks, combined
 
 
 def test_the_update_time_holds_the_optimizer_step_and_enters_the_prediction():
     pause = 0.05
-    for update_time, slowest_layer, predicted, last_update, comm_wait in run_local(measured_with_a_slow_update,
-                                                                                     2, pause):
+    results = run_local(measured_with_a_slow_update, 2, pause)
+    for (update_time, slowest_layer, predicted, last_update, comm_wait), _, _ in results:
         assert pause <= update_time < 1.5 * pause and pause <= last_update < 1.5 * pause
         assert slowest_layer < pause / 2 and comm_wait < pause
         assert pause <= predicted < 2 * pause
+    # every rank keeps both ranks' own profiles, the same on each, and plans on their per-layer maxima
+    ranks, combined = results[0][1], results[0][2]
+    assert len(ranks) == 2 and ranks[0] != ranks[1] and results[1][1] == ranks and combined and results[1][2]
 
 
 def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():

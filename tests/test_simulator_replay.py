@@ -7,7 +7,7 @@ from benchmarks.simulator_replay import main, replay, replay_record, replayed_pr
 from gradsync import compress
 from gradsync.compress.planning import predict_cycle
 from gradsync.cost import CostModel
-from gradsync.profile import zoo
+from gradsync.profile import ModelProfile, zoo
 
 
 def stored_row(compressor, cost):
@@ -48,3 +48,14 @@ def test_a_record_without_rows_is_refused(tmp_path):
     path.write_text("{}")
     with pytest.raises(SystemExit, match="no gradsync row"):
         main([str(path)])
+
+
+def test_a_record_keeps_each_ranks_profile():
+    profile = zoo("resnet50")
+    ranks = [profile, profile.scaled(2.0)]
+    codec = compress.build(None)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 2, seed=0)
+    cost = CostModel(a=1e-3, b=8e-9)
+    plans, _ = predict_cycle(profile, cost, "mg_wfbp", codec, {})
+    record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), cost, ranks)))
+    assert [ModelProfile.from_dict(data) for data in record["rank_profiles"]] == ranks

@@ -387,11 +387,12 @@ class ProfileCalibration(Measurement):
 
     def _slowest_profile(self, sync) -> ModelProfile:
         """The timed profile, its plan's host time taken out, with every layer's largest times over
-        the ranks (`slowest_times`), on every rank."""
+        the ranks (`slowest_times`), on every rank; each rank's own is kept in `sync.rank_profiles`."""
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
-        profiles = gather_from_all(profile.to_dict(), sync.channels.process_group)
-        return slowest_times([ModelProfile.from_dict(data) for data in profiles])
+        sync.rank_profiles = [ModelProfile.from_dict(data)
+                              for data in gather_from_all(profile.to_dict(), sync.channels.process_group)]
+        return slowest_times(sync.rank_profiles)
 
 
 def slowest_times(profiles: list[ModelProfile]) -> ModelProfile:
