@@ -241,12 +241,19 @@ def make_variant(row: Row, base: nn.Module, cost, topology: dict | None) -> Vari
     return Variant(row.label, ddp, optimizer, gradsync=False)
 
 
+# Probe repeats for the job's cost: wrap's 5 leave a fitted a of 0.2-2.9 ms, a host time per op of
+# 0.2-0.7 ms and a τ of 1.0-1.9 over six fits in a row on one network (2 ranks, 1 Gbit/s); 15 give
+# 0.2-1.1 ms, 0.3-0.5 ms and 1.1-1.7.
+COST_REPEATS = 15
+
+
 def shared_cost(model: nn.Module):
-    """The all-reduce cost (a, b, γ) fitted once on this job's network, as gradsync.wrap would fit it."""
+    """The cost (a, b, γ, slowdowns, host time per op) fitted once on this job's network, as
+    gradsync.wrap would fit it but from more repeats of each probe; every gradsync row plans with it."""
     channels = Channels(2)
     try:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return measure_cost(channels, gradient_bytes)
+        return measure_cost(channels, gradient_bytes, repeats=COST_REPEATS)
     finally:
         channels.destroy()
 
@@ -301,6 +308,16 @@ class RowResult:
     @property
     def error(self) -> float | None:
         return None if self.predicted is None else (self.predicted - self.seconds) / self.seconds
+
+    @property
+    def half_difference(self) -> float | None:
+        """How far the measurement repeats within the run: the difference between the medians of
+        the first and the second half of the blocks, relative to the row's time."""
+        half = len(self.blocks) // 2
+        if half == 0:
+            return None
+        first, second = statistics.median(self.blocks[:half]), statistics.median(self.blocks[half:])
+        return abs(first - second) / self.seconds
 
 
 def summarise(reports: list[dict]) -> dict[str, RowResult]:
@@ -392,10 +409,14 @@ def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
             lines.append(f"- transformer, {setting.world_size} ranks, 1 Gbit/s: acp_sgd {vs_ddp or 0:.2f}× torch DDP "
                          f"(target ≥ 3×): {verdict(vs_ddp, 3.0)}; {vs_hook or 0:.2f}× the PowerSGD hook "
                          f"(target ≥ 1.3×): {verdict(vs_hook, 1.3)}")
-    errors = [abs(r.error) for results in summaries.values() for r in results.values() if r.error is not None]
-    median_error = statistics.median(errors) if errors else None
-    lines.append(f"- simulator error, median |error| over {len(errors)} gradsync rows: "
-                 f"{(median_error or 0):.1%} (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}")
+    predicted = [r for results in summaries.values() for r in results.values() if r.error is not None]
+    median_error = statistics.median(abs(r.error) for r in predicted) if predicted else None
+    repeats = [r.half_difference for r in predicted if r.half_difference is not None]
+    repeatability = (f"; the measurement itself: a row's first and second half of blocks differ by "
+                     f"{statistics.median(repeats):.1%} (median over the same rows)" if repeats else "")
+    lines.append(f"- simulator error, median |error| over {len(predicted)} gradsync rows: "
+                 f"{(median_error or 0):.1%} (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}"
+                 + repeatability)
     overheads = [(setting, paired_ratio(results, ROWS["ddp_buckets"].label) - 1)
                  for setting, results in summaries.items()
                  if ROWS["ddp_buckets"].label in results and ROWS["ddp"].label in results]
@@ -478,6 +499,27 @@ def chart(summaries: dict[Setting, dict[str, RowResult]], path: Path) -> None:
 
 
 # -- driver ----------------------------------------------------------------------------------------
+def stolen_cpu_seconds(stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU time the hypervisor has given to others so far (the steal column of the `cpu` line of
+    /proc/stat), or None where there is no such column."""
+    try:
+        fields = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
+def steal_note(before: float | None, after: float | None, seconds: float) -> str:
+    """The run's stolen CPU time as a sentence ('' where it was not readable)."""
+    if before is None or after is None:
+        return ""
+    stolen = after - before
+    return (f" The hypervisor took {stolen:.1f} s of CPU time from the machine during the run"
+            f" ({stolen / (seconds * os.cpu_count()):.1%} of its cores' time).")
+
+
 def network_specs(args) -> list[tuple[str, int, object, dict | None]]:
     """(network name, world size, NetSpec, topology as a dict or None) for every network of the run."""
     if args.topology:
@@ -539,16 +581,17 @@ def main(argv=None) -> None:
         sys.exit(f"head_to_head: rows {', '.join(TOPOLOGY_ROWS)} need --topology (a heterogeneous network)")
     if "ddp" not in args.rows:
         args.rows = ["ddp", *args.rows]  # every ratio is to torch DDP
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    started, load_before, steal_before = time.perf_counter(), os.getloadavg()[0], stolen_cpu_seconds()
     try:
         summaries, costs, failures = run_settings(args)
     except NetbedUnavailable as missing:
         sys.exit(f"head_to_head: {missing}")
+    elapsed = time.perf_counter() - started
     environment = (f"{os.cpu_count()} CPU cores, shared by the ranks (one thread each) and by any other work on the"
                    f" machine (1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after);"
                    f" gloo over veth pairs and a bridge, tc-shaped; {args.warmup_rounds} warm-up and"
                    f" {args.rounds} timed rounds of {args.block}-iteration blocks; total"
-                   f" {time.perf_counter() - started:.0f} s.")
+                   f" {elapsed:.0f} s." + steal_note(steal_before, stolen_cpu_seconds(), elapsed))
     command = " ".join(["python -m benchmarks.head_to_head", *(sys.argv[1:] if argv is None else argv)])
     report = markdown(command, summaries, costs, failures, environment)
     args.out.parent.mkdir(parents=True, exist_ok=True)

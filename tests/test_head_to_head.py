@@ -1,7 +1,11 @@
-"""The head-to-head's summary: slowest-rank block times, medians and the paired overhead ratio."""
+"""The head-to-head's summary: slowest-rank block times, medians, the paired overhead ratio, the
+measurement's repeatability and the stolen CPU time."""
+import os
+
 import pytest
 
-from benchmarks.head_to_head import COMPUTE_ONLY, ROWS, RowResult, Setting, paired_ratio, summarise, targets
+from benchmarks.head_to_head import (COMPUTE_ONLY, ROWS, RowResult, Setting, paired_ratio, steal_note,
+                                     stolen_cpu_seconds, summarise, targets)
 
 DDP, BUCKETS = ROWS["ddp"].label, ROWS["ddp_buckets"].label
 
@@ -46,3 +50,26 @@ def test_rows_with_different_round_counts_are_not_paired():
 
 def test_gradsync_ddp_buckets_runs_right_after_torch_ddp():
     assert list(ROWS)[:2] == ["ddp", "ddp_buckets"]
+
+
+def test_the_simulator_error_is_reported_beside_the_measurements_own_repeatability():
+    steady = RowResult("gradsync wfbp", 2.0, (2.0, 2.0, 2.0, 2.0), None, 2.2, None)
+    phased = RowResult("gradsync mg_wfbp", 1.5, (1.0, 1.0, 2.0, 2.0), None, 1.5, None)  # a slow second half
+    assert steady.half_difference == 0.0 and phased.half_difference == pytest.approx(1.0 / 1.5)
+    assert RowResult("gradsync wfbp", 2.0, (2.0,), None, 2.0, None).half_difference is None
+    results = {COMPUTE_ONLY: RowResult(COMPUTE_ONLY, 1.0, (1.0,) * 4, None, None, None),
+               steady.label: steady, phased.label: phased}
+    [line] = [line for line in targets({Setting("cnn", 2, "10gbit"): results}) if "simulator" in line]
+    assert "median |error| over 2 gradsync rows: 5.0%" in line and "differ by 33.3%" in line
+
+
+def test_stolen_cpu_time_is_read_from_the_steal_column(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  7202930 471 1411317 4285856 45943 0 189073 28632 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert stolen_cpu_seconds(stat) == 28632 / os.sysconf("SC_CLK_TCK")
+    stat.write_text("intr 1 2 3\n")
+    assert stolen_cpu_seconds(stat) is None and stolen_cpu_seconds(tmp_path / "missing") is None
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert steal_note(10.0, 13.0, 100.0) == (" The hypervisor took 3.0 s of CPU time from the machine during the run"
+                                             " (1.5% of its cores' time).")
+    assert steal_note(None, 13.0, 100.0) == ""
