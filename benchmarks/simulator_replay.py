@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from gradsync.compress.planning import LayoutPlan, predict_steady
 from gradsync.cost import CostModel
 from gradsync.plan import Plan
 from gradsync.profile import ModelProfile
+from gradsync.runtime.measure import slowest_times
 
 DEFAULT_RECORD = Path(__file__).parent / "results" / "head_to_head.json"
 
@@ -36,11 +38,27 @@ def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ..
 
 
 def replayed_prediction(record: dict) -> float:
-    """The mean predicted step time over the stored cycle, simulated now."""
+    """The mean predicted step time over the stored cycle, simulated now: where the record keeps
+    each rank's profile, with the layer times the runtime now combines from them (`slowest_times`)."""
     cost = CostModel(**record["cost"])  # its to_dict form
-    layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]), ModelProfile.from_dict(entry["wire"]))
+    ranks = [ModelProfile.from_dict(data) for data in record.get("rank_profiles", [])]
+    combined = slowest_times(ranks) if ranks else None
+    layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]),
+                                       timed_as(ModelProfile.from_dict(entry["wire"]), combined))
                     for layout, entry in record["layouts"].items()}
     return predict_steady(layout_plans, [tuple(rounds) for rounds in record["cycle"]], cost)
+
+
+def timed_as(wire: ModelProfile, profile: ModelProfile | None) -> ModelProfile:
+    """`wire` with the layer times of `profile` (a measured profile's wire profile has its layers'
+    times: the codec's work is inside them); `wire` itself without one."""
+    if profile is None:
+        return wire
+    times = {layer.name: layer for layer in profile.layers}
+    layers = tuple(replace(layer, forward_time=times[layer.name].forward_time,
+                           backward_time=times[layer.name].backward_time, update_time=times[layer.name].update_time)
+                   for layer in wire.layers)
+    return ModelProfile(wire.name, layers, dict(wire.metadata))
 
 
 def replay(stored: dict) -> list[tuple[str, str, float, float, float]]:

@@ -580,17 +580,24 @@ def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
     assert output.shape == (2, 4)
 
 
-def test_every_rank_plans_with_each_layers_slowest_times_in_rank_0s_order():
+def test_every_rank_plans_with_each_layers_slowest_times_scaled_to_the_slowest_ranks_totals():
     from gradsync.profile import LayerProfile, ModelProfile
     from gradsync.runtime.measure import slowest_times
 
-    profile = synthetic_profile(TiedNet())
-    names = [layer.name for layer in profile.layers]
-    slower = ModelProfile(profile.name, tuple(reversed([
-        LayerProfile(l.name, l.tensors, 2 * l.forward_time if i % 2 else 0.0, l.backward_time / 2, l.update_time + 1)
-        for i, l in enumerate(profile.layers)])))
-    merged = slowest_times([profile, slower])
-    assert [layer.name for layer in merged.layers] == names  # rank 0's order
-    for i, (layer, mine) in enumerate(zip(merged.layers, profile.layers)):
-        assert layer.forward_time == (2 * mine.forward_time if i % 2 else mine.forward_time)
-        assert layer.backward_time == mine.backward_time and layer.update_time == mine.update_time + 1
+    tensors = [layer.tensors for layer in synthetic_profile(TiedNet()).layers[:3]]
+
+    def ranks_profile(order, forward, backward, update):
+        layers = [LayerProfile(name, tensors[i], forward[i], backward[i], update[i]) for i, name in enumerate("abc")]
+        return ModelProfile("net", tuple(layers[i] for i in order))
+
+    # rank 0 is slow at layer a, rank 1 (its layers listed in reverse) at layer c
+    first = ranks_profile([0, 1, 2], [4.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.0, 0.0, 1.0])
+    second = ranks_profile([2, 1, 0], [1.0, 1.0, 3.0], [1.0, 1.0, 1.0], [0.0, 0.0, 3.0])
+    merged = slowest_times([first, second])
+    assert [layer.name for layer in merged.layers] == ["a", "b", "c"]  # rank 0's order
+    # forward maxima 4, 1, 3 (sum 8) scaled to the slowest rank's 6; backward maxima are rank 0's
+    # own; update maxima 0, 0, 3 already sum to the slowest rank's 3
+    assert [layer.forward_time for layer in merged.layers] == pytest.approx([3.0, 0.75, 2.25])
+    assert [layer.backward_time for layer in merged.layers] == pytest.approx([2.0, 2.0, 2.0])
+    assert [layer.update_time for layer in merged.layers] == pytest.approx([0.0, 0.0, 3.0])
+    assert slowest_times([first]) == first
