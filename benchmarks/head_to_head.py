@@ -327,21 +327,25 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
     labels = list(reports[0]["rows"])
     blocks = len(reports[0]["rows"][labels[0]]["seconds"])
 
+    def over_ranks(label: str, key: str, combine) -> tuple[float, ...]:
+        return tuple(combine([r["rows"][label][key][b] for r in reports]) for b in range(blocks))
+
     def median_over_blocks(label: str, key: str, combine) -> float:
-        return statistics.median(combine([r["rows"][label][key][b] for r in reports]) for b in range(blocks))
+        return statistics.median(over_ranks(label, key, combine))
 
     compute = median_over_blocks(COMPUTE_ONLY, "seconds", max)
     results = {}
     for label in labels:
         row = reports[0]["rows"][label]
-        slowest = tuple(max(r["rows"][label]["seconds"][b] for r in reports) for b in range(blocks))
+        slowest = over_ranks(label, "seconds", max)
         seconds = statistics.median(slowest)
         if row["comm_wait"]:
             comm, predicted = (median_over_blocks(label, "comm_wait", statistics.fmean),
                                median_over_blocks(label, "predicted", statistics.fmean))
         else:
             comm, predicted = (None if label == COMPUTE_ONLY else max(0.0, seconds - compute)), None
-        results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"), row.get("replay"))
+        results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
+                                   row.get("replay"))
     return results
 
 

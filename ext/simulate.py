@@ -4,13 +4,13 @@ Time 0 is the start of the backward pass (us-byte §3). Layers run backward from
 (us-byte eq. 2). An op becomes ready when all its slices are computed (and, for forward-phase ops,
 when the backward pass has ended: us-byte eq. 9); it starts once ready, once the op before it on
 its channel has started and once its channel runs fewer than the cost model's `ops_per_channel`
-ops: with one (the papers' model), once the op before it has finished (eq. 3). An op lasts ``a`` (start-up) and then transmits ``b·bytes`` of
-work; while k ops transmit at once each progresses at 1/s(k) of its solo
-rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp eq. 9 and for one op
-the a + b·m of eq. 3. The next forward starts when the backward pass and all backward-phase ops are
-done and the update of the layers they carry (optimizer step, decoding) has run; a layer whose
-gradients travel in forward-phase ops is updated just before its forward, and its forward also
-waits for every forward-phase op carrying its gradients (us-byte eq. 11).
+ops: with one (the papers' model), once the op before it has finished (eq. 3). An op lasts ``a``
+(start-up) and then transmits ``b·bytes`` of work; while k ops transmit at once each progresses at
+1/s(k) of its solo rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp
+eq. 9 and for one op the a + b·m of eq. 3. The next forward starts when the backward pass and all
+backward-phase ops are done and the update of the layers they carry (optimizer step, decoding) has
+run; a layer whose gradients travel in forward-phase ops is updated just before its forward, and
+its forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12).
 Two terms are not in the papers, whose ops cost the computation nothing. With a cost model's
 `host` > 0, each op takes `host` seconds of the computing thread when it launches: a backward-phase

@@ -79,7 +79,7 @@ class GradSync:
         self.layout_plans = {}
         self.predictions: dict[tuple[str, ...], float] = {}
         self.profile: ModelProfile | None = None
-        self.rank_profiles: list[ModelProfile] = []  # each rank's measured profile (profile: their per-layer maxima)
+        self.rank_profiles: list[ModelProfile] = []  # each rank's measured profile (`profile` combines them)
         self.cost: CostModel | None = None
         self.executor: PlanExecutor | None = None  # the one running the current iteration
         self.measurement = None

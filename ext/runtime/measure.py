@@ -384,8 +384,8 @@ class ProfileCalibration(Measurement):
         sync.measurement = trials
 
     def _slowest_profile(self, sync) -> ModelProfile:
-        """The timed profile, its plan's host time taken out, with every layer's largest times over
-        the ranks (`slowest_times`), on every rank; each rank's own is kept in `sync.rank_profiles`."""
+        """The timed profile, its plan's host time taken out, combined over the ranks
+        (`slowest_times`), on every rank; each rank's own is kept in `sync.rank_profiles`."""
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
         sync.rank_profiles = [ModelProfile.from_dict(data)
@@ -401,15 +401,16 @@ def slowest_times(profiles: list[ModelProfile]) -> ModelProfile:
     A synchronised iteration waits for the slowest rank at every op, not at every layer: ranks
     slowed at different layers (descheduled on a shared host) do not each delay it, so the sum of
     the per-layer maxima overstates it (on the emulated cluster by up to 10% with 2 ranks, up to 66%
-    with 4 ranks on 2 cores); the maxima only set how
-    the slowest total spreads over the layers, and keep a layer that only other ranks run."""
+    with 4 ranks on 2 cores); the maxima only set how the slowest total spreads over the layers,
+    and keep a layer that only other ranks run."""
     by_name = [{layer.name: layer for layer in profile.layers} for profile in profiles]
     first = profiles[0]
     largest = {attr: [max(getattr(layers[layer.name], attr) for layers in by_name) for layer in first.layers]
                for attr in ("forward_time", "backward_time", "update_time")}
     for attr, times in largest.items():
         slowest_rank = max(sum(getattr(layer, attr) for layer in profile.layers) for profile in profiles)
-        factor = slowest_rank / sum(times) if sum(times) > 0 else 1.0
+        summed = sum(times)
+        factor = slowest_rank / summed if summed > 0 else 1.0
         largest[attr] = [seconds * factor for seconds in times]
     layers = tuple(replace(layer, **{attr: times[index] for attr, times in largest.items()})
                    for index, layer in enumerate(first.layers))
