@@ -136,23 +136,24 @@ class PlanExecutor:
 
     def _launch(self, state: _OpState) -> None:
         buffer = state.buffer
-        data_end = buffer.numel() - len(state.tensors)
+        gathering = self.codec.collective == "allgather"
         for name, offset, length, position in state.slices:
             wire = self._wire(name)
             target = buffer[position:position + length]
             if wire is None:
                 target.zero_()
-            else:
+            elif gathering:
                 target.copy_(wire[offset:offset + length])
-        for index, name in enumerate(state.tensors):
-            buffer[data_end + index] = 1.0 if self._used(name) else 0.0
+            else:  # the all-reduce sums each rank's share of the mean: copy and divide in one pass
+                torch.div(wire[offset:offset + length], self.channels.world_size, out=target)
+        flags = [1.0 if self._used(name) else 0.0 for name in state.tensors]
+        buffer[buffer.numel() - len(flags):].copy_(torch.tensor(flags, dtype=buffer.dtype))
         state.launched_at = time.perf_counter()
-        group = self.channels.groups[state.channel]
-        if self.codec.collective == "allgather":
+        if gathering:
             state.gathered = [torch.empty_like(buffer) for _ in range(self.channels.world_size)]
-            state.work = dist.all_gather(state.gathered, buffer, group=group, async_op=True)
+            state.work = dist.all_gather(state.gathered, buffer, group=self.channels.groups[state.channel],
+                                         async_op=True)
         else:
-            buffer[:data_end].div_(self.channels.world_size)
             state.work = self.channels.all_reduce(state.channel, buffer)
 
     # -- completion --------------------------------------------------------------------------------
