@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from benchmarks.head_to_head import (COMPUTE_ONLY, ROWS, RowResult, Setting, paired_ratio, steal_note,
-                                     stolen_cpu_seconds, summarise, targets)
+from benchmarks.head_to_head import (COMPUTE_ONLY, OVERHEAD_PAIRS, ROWS, RowResult, Setting, paired_ratio,
+                                     round_order, steal_note, stolen_cpu_seconds, summarise, targets)
 
 DDP, BUCKETS = ROWS["ddp"].label, ROWS["ddp_buckets"].label
 
@@ -21,6 +21,13 @@ def test_each_block_counts_its_slowest_rank_and_a_row_its_median_block():
     results = summarise(reports)
     assert results[DDP].blocks == (4.0, 5.0, 3.5) and results[DDP].seconds == 4.0
     assert results[DDP].comm == pytest.approx(4.0 - 1.0)  # beyond the compute-only median
+
+
+def test_rows_keep_their_own_block_counts():
+    reports = [rank_report({COMPUTE_ONLY: [1.0, 1.0], DDP: [2.0, 5.0, 3.0, 2.5]}),
+               rank_report({COMPUTE_ONLY: [1.0, 3.0], DDP: [4.0, 1.0, 3.5, 2.0]})]
+    results = summarise(reports)
+    assert results[COMPUTE_ONLY].blocks == (1.0, 3.0) and results[DDP].blocks == (4.0, 5.0, 3.5, 2.5)
 
 
 def test_the_overhead_is_the_median_of_same_round_ratios():
@@ -50,6 +57,14 @@ def test_rows_with_different_round_counts_are_not_paired():
 
 def test_gradsync_ddp_buckets_runs_right_after_torch_ddp():
     assert list(ROWS)[:2] == ["ddp", "ddp_buckets"]
+
+
+def test_a_round_alternates_the_overhead_pair_and_runs_every_other_row_once():
+    labels = [COMPUTE_ONLY, DDP, "gradsync wfbp", BUCKETS, "gradsync acp_sgd"]
+    assert round_order(labels, repeats=3) == [COMPUTE_ONLY, DDP, BUCKETS, DDP, BUCKETS, DDP, BUCKETS,
+                                              "gradsync wfbp", "gradsync acp_sgd"]
+    assert round_order(labels).count(DDP) == OVERHEAD_PAIRS > 1
+    assert round_order([COMPUTE_ONLY, DDP, "gradsync wfbp"]) == [COMPUTE_ONLY, DDP, "gradsync wfbp"]
 
 
 def test_the_simulator_error_is_reported_beside_the_measurements_own_repeatability():
