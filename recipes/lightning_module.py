@@ -96,7 +96,7 @@ class IterationTimer(pl.Callback):
         self.runtime = None
         self.step_times: list[float] = []
         self.steady_step = None  # first step under the real plan
-        self.steady_iteration = None  # its index in the runtime's history
+        self.steady_iteration = None  # the runtime's iteration count then
         self.started = 0.0
 
     def on_train_batch_start(self, _trainer, _module, _batch, _index) -> None:
@@ -107,7 +107,7 @@ class IterationTimer(pl.Callback):
         self.runtime = self.runtime_of(trainer) or self.runtime
         if self.steady_step is None and (self.runtime is None or self.runtime.measurement is None):
             self.steady_step = len(self.step_times)
-            self.steady_iteration = len(self.runtime.history) if self.runtime is not None else None
+            self.steady_iteration = self.runtime.iteration if self.runtime is not None else None
 
     def breakdown(self, samples_per_step: int) -> dict:
         """Median step time and throughput; with gradsync, the means over the same steps of the
@@ -119,7 +119,8 @@ class IterationTimer(pl.Callback):
                   "measured_ms": None, "predicted_ms": None, "comm_wait_ms": None, "compression_ratio": None}
         if self.runtime is None:
             return result
-        history = self.runtime.history[self.steady_iteration or 0:] or self.runtime.history
+        history = [s for s in self.runtime.history if s.iteration >= (self.steady_iteration or 0)] \
+            or list(self.runtime.history)
         mean = statistics.fmean
         result.update(
             measured_ms=1e3 * mean(s.iteration_time for s in history),

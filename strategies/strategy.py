@@ -106,9 +106,9 @@ class GradSyncOverrides:
     # -- per-iteration statistics ------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Step, then log the iteration's statistics (none when a GradScaler skipped the step)."""
-        iterations = len(self.runtime.history)
+        iterations = self.runtime.iteration
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if len(self.runtime.history) > iterations:
+        if self.runtime.iteration > iterations:
             self._log_stats(self.runtime.history[-1])
         return output
 

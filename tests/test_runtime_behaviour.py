@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroupGloo
 
 import gradsync
 from gradsync import ConfigError, CostModel
-from gradsync.runtime import attached
+from gradsync.runtime import attached, engine
 from gradsync.launch import run_local
 from runtime_models import COST, TiedNet, batch, synthetic_profile
 
@@ -601,3 +601,22 @@ def test_every_rank_plans_with_each_layers_slowest_times_scaled_to_the_slowest_r
     assert [layer.backward_time for layer in merged.layers] == pytest.approx([2.0, 2.0, 2.0])
     assert [layer.update_time for layer in merged.layers] == pytest.approx([0.0, 0.0, 3.0])
     assert slowest_times([first]) == first
+
+
+def bounded_history(rank, world_size):
+    engine.HISTORY_LENGTH = 3  # in this rank's process only
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
+                                     profile=synthetic_profile(model), cost=COST)
+    for step in range(5):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+    sync = attached(model)
+    kept, counted = [stats.iteration for stats in sync.history], sync.iteration
+    sync.detach()
+    return kept, counted
+
+
+def test_history_keeps_only_the_most_recent_iterations():
+    assert run_local(bounded_history, 2) == [([2, 3, 4], 5)] * 2

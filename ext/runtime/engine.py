@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -34,6 +35,8 @@ from .channels import Channels
 from .executor import PlanExecutor
 from .layout import ParameterLayout
 from .optimizer import ParameterSubset, hyperparameters
+
+HISTORY_LENGTH = 10_000  # iterations whose statistics GradSync.history keeps (the most recent)
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
 
@@ -73,7 +76,7 @@ class GradSync:
         self.backward_synced = False
         self.iteration = 0
         self.sync_steps = 0  # synchronised backward passes so far: the codec's step
-        self.history: list[IterationStats] = []
+        self.history: deque[IterationStats] = deque(maxlen=HISTORY_LENGTH)  # `iteration` counts them all
         self.plans: dict[str, Plan] = {}  # per codec layout
         self.executors: dict[str, PlanExecutor] = {}
         self.layout_plans = {}
