@@ -12,7 +12,7 @@ ddp_buckets (the same buckets) run several blocks each per round, alternating: t
 overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job and given to every gradsync row.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
 
-    .venv/bin/python -m benchmarks.head_to_head              # every setting (about 17 minutes)
+    .venv/bin/python -m benchmarks.head_to_head              # every setting (about 20 minutes)
     .venv/bin/python -m benchmarks.head_to_head --quick      # CNN, 2 ranks, 1 Gbit/s, four rows
     .venv/bin/python -m benchmarks.head_to_head --models transformer --world-sizes 2 --rates 1gbit \\
         --rows ddp ddp_powersgd acp_sgd
