@@ -9,7 +9,8 @@ start); each block starts after a barrier, and gradsync's last deferred updates 
 the block, so plans that overlap the next forward pass keep that overlap within the block and never
 borrow another row's time. A block's time is its slowest rank's. torch DDP and gradsync
 ddp_buckets (the same buckets) run several blocks each per round, alternating: the runtime's
-overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job and given to every gradsync row.
+overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job
+and given to every gradsync row.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
 
     .venv/bin/python -m benchmarks.head_to_head              # every setting (about 20 minutes)
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import statistics
@@ -187,7 +189,7 @@ class Variant:
         if timed:
             self.seconds.append(elapsed / iterations)
             if self.gradsync:
-                recent = list(attached(self.model).history)[-iterations:]
+                recent = list(itertools.islice(reversed(attached(self.model).history), iterations))
                 self.comm_wait.append((sum(s.comm_wait for s in recent) + settled) / iterations)
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
 
