@@ -241,10 +241,11 @@ def wire_bytes(rank, world_size):
 def test_bytes_on_the_wire_equal_the_formula():
     sizes, ops = run_local(wire_bytes, 2)[0]
     # "0.weight" (32 × 64) is compressed: P is 32 × 4, Q is 64 × 4; "2.weight" (4 × 32) is not
-    # ((4 + 32)·4·2 ≥ 128); biases travel as they are; one fp32 flag per tensor per op (wfbp: 4 ops)
+    # ((4 + 32)·4·2 ≥ 128); biases travel as they are; fp32 flags: one per tensor per op and one
+    # per op (wfbp: 4 ops of one tensor each)
     plain = 32 + 4 * 32 + 4
     assert ops == {"P": 4, "Q": 4}
-    assert sizes == {"P": 4 * (32 * 4 + plain + 4), "Q": 4 * (64 * 4 + plain + 4)}
+    assert sizes == {"P": 4 * (32 * 4 + plain + 8), "Q": 4 * (64 * 4 + plain + 8)}
 
 
 def resume(rank, world_size, path):

@@ -307,10 +307,11 @@ def resume_gap(rank, compressor) -> float:
 
 
 def wire_bytes_and_flags(compressor) -> dict:
-    """Per layout: (bytes of the executor's buffers, flags in its plan, {tensor: numel})."""
+    """Per layout: (bytes of the executor's buffers, flags in its plan: one per tensor of an op and
+    one per op)."""
     model, _ = wrapped(compressor)
     sync = attached(model)
-    result = {layout: (executor.wire_bytes(), sum(len(op.tensors()) for op in sync.plans[layout].ops))
+    result = {layout: (executor.wire_bytes(), sum(len(op.tensors()) + 1 for op in sync.plans[layout].ops))
               for layout, executor in sync.executors.items()}
     sync.detach()
     return result
@@ -543,7 +544,7 @@ def test_bytes_on_the_wire_equal_the_formula(powersgd_runs, signsgd_runs, topk_r
     (p_bytes, p_flags), (q_bytes, q_flags) = (powersgd_runs[0]["bytes"][layout] for layout in ("P", "Q"))
     assert p_bytes == 4 * (sum(n * 4 for n, _ in compressed.values()) + sum(numel[n] for n in plain) + p_flags)
     assert q_bytes == 4 * (sum(m * 4 for _, m in compressed.values()) + len(plain) + q_flags)
-    # Sign-SGD: ceil(n / 8) + 4 bytes per tensor, one uint8 flag per tensor per op
+    # Sign-SGD: ceil(n / 8) + 4 bytes per tensor, uint8 flags (one per tensor per op, one per op)
     sign_bytes, sign_flags = signsgd_runs[0]["bytes"]["plain"]
     assert sign_bytes == sum(math.ceil(n / 8) + 4 for n in numel.values()) + sign_flags
     # Top-k: k fp32 values and k int32 indices, k = ceil(0.1·n)

@@ -7,6 +7,7 @@ this file as a script (`python tests/test_lightning.py DIR`, the user path of
 `Trainer(strategy="acp_sgd")` with `import gradsync` as the only registration).
 """
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -41,9 +42,9 @@ GRADIENT_NUMEL = 32 * 16 + 32 + 32 * 32 + 32 + 4 * 32 + 4
 # A P step sends their P factors (n×4), a Q step their Q factors (m×4), the rest whole.
 ACP_P_NUMEL = 32 * 4 + 32 + 32 * 4 + 32 + 4 * 32 + 4
 ACP_Q_NUMEL = 16 * 4 + 32 + 32 * 4 + 32 + 4 * 32 + 4
-# every op's buffer ends with one "used" flag per tensor it carries (runtime/executor.py): six tensors
-# in unpartitioned plans
-FLAGS = 6
+# every op's buffer ends with one "used" flag per tensor it carries and one "non-finite" flag
+# (runtime/executor.py): six tensors in unpartitioned plans, plus one per op
+USED_FLAGS = 6
 
 
 class Classifier(pl.LightningModule):
@@ -115,15 +116,27 @@ def flat(model) -> list[float]:
     return torch.cat([t.detach().double().reshape(-1) for t in model.state_dict().values()]).tolist()
 
 
+class PlanOps(pl.Callback):
+    """Records, when training ends, how many ops each codec layout's plan has (None without gradsync)."""
+
+    ops: dict | None = None
+
+    def on_train_end(self, trainer, pl_module):
+        runtime = getattr(trainer.strategy, "runtime", None)
+        self.ops = None if runtime is None else {layout: len(plan.ops) for layout, plan in runtime.plans.items()}
+
+
 def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> dict:
-    """Train a freshly seeded model; its final parameters and buffers, and the metrics. Python's
-    generator is seeded too: rank 0 draws the compressors' seed from it."""
+    """Train a freshly seeded model; its final parameters and buffers, the metrics and the plans'
+    op counts. Python's generator is seeded too: rank 0 draws the compressors' seed from it."""
     pl.seed_everything(0, verbose=False)
     model = model_class()
+    plan_ops = PlanOps()
+    options["callbacks"] = [plan_ops, *options.get("callbacks", [])]
     trainer = trainer_for(strategy, root, **options)
     trainer.fit(model, batches(), ckpt_path=ckpt_path)
     return {"params": flat(model), "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "ops": plan_ops.ops}
 
 
 def fp16_with_grad_scaler():
@@ -270,12 +283,13 @@ def test_every_strategy_trains_identical_replicas(ranks, name):
 def test_uncompressed_strategies_match_ddp(ranks, name):
     assert distance(ranks[0][name], ranks[0]["ddp"]) < TOLERANCE
     shown = ranks[0][name]["progress_bar"]
-    assert shown["gradsync/bytes_sent"] >= (GRADIENT_NUMEL + FLAGS) * 4
+    assert shown["gradsync/bytes_sent"] >= (GRADIENT_NUMEL + USED_FLAGS + 1) * 4
     assert shown["gradsync/compression_ratio"] == pytest.approx(shown["gradsync/bytes_sent"] / (GRADIENT_NUMEL * 4))
 
 
 def test_wfbp_sends_every_gradient_once(ranks):
-    assert ranks[0]["wfbp"]["progress_bar"]["gradsync/bytes_sent"] == (GRADIENT_NUMEL + FLAGS) * 4
+    assert ranks[0]["wfbp"]["ops"] == {"plain": 6}  # one op per tensor
+    assert ranks[0]["wfbp"]["progress_bar"]["gradsync/bytes_sent"] == (GRADIENT_NUMEL + USED_FLAGS + 6) * 4
 
 
 @pytest.mark.parametrize("name", list(COMPRESSORS))
@@ -287,8 +301,9 @@ def test_compressors_send_less(ranks, name):
 def test_acp_sgd_sends_its_q_factors_on_the_last_step(ranks):
     """Steps alternate P, Q, P, ... from the first (Algorithm 2): the sixth step is a Q step."""
     shown = ranks[0]["acp_sgd"]["progress_bar"]
-    assert shown["gradsync/bytes_sent"] == (ACP_Q_NUMEL + FLAGS) * 4
-    assert shown["gradsync/compression_ratio"] == pytest.approx((ACP_Q_NUMEL + FLAGS) / GRADIENT_NUMEL, rel=1e-6)
+    sent = ACP_Q_NUMEL + USED_FLAGS + ranks[0]["acp_sgd"]["ops"]["Q"]
+    assert shown["gradsync/bytes_sent"] == sent * 4
+    assert shown["gradsync/compression_ratio"] == pytest.approx(sent / GRADIENT_NUMEL, rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["wfbp", "us_byte"])
@@ -353,8 +368,12 @@ def test_spawn_launcher_trains_like_the_external_launch(ranks, tmp_path):
 def csv_logged_run(directory: Path) -> None:
     """Run as a script: the user path, with the registered name and Lightning's default launcher."""
     torch.manual_seed(0)
-    trainer = trainer_for("acp_sgd", directory, max_steps=4, logger=CSVLogger(directory, name="csv", version=0))
+    plan_ops = PlanOps()
+    trainer = trainer_for("acp_sgd", directory, max_steps=4, logger=CSVLogger(directory, name="csv", version=0),
+                          callbacks=[plan_ops])
     trainer.fit(Classifier(), batches())
+    if trainer.is_global_zero:
+        (directory / "ops.json").write_text(json.dumps(plan_ops.ops))
 
 
 def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
@@ -365,10 +384,12 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("gradsync/bytes_sent")]
     assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
+    ops = json.loads((tmp_path / "ops.json").read_text())
     for row in rows:
-        numel = ACP_P_NUMEL if int(row["step"]) % 2 == 0 else ACP_Q_NUMEL
-        assert float(row["gradsync/bytes_sent"]) == (numel + FLAGS) * 4
-        assert float(row["gradsync/compression_ratio"]) == pytest.approx((numel + FLAGS) / GRADIENT_NUMEL, rel=1e-6)
+        layout, numel = ("P", ACP_P_NUMEL) if int(row["step"]) % 2 == 0 else ("Q", ACP_Q_NUMEL)
+        sent = numel + USED_FLAGS + ops[layout]
+        assert float(row["gradsync/bytes_sent"]) == sent * 4
+        assert float(row["gradsync/compression_ratio"]) == pytest.approx(sent / GRADIENT_NUMEL, rel=1e-6)
         assert 0 <= float(row["gradsync/comm_wait"]) <= float(row["gradsync/iteration_time"])
 
 

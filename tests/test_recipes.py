@@ -155,10 +155,11 @@ def test_the_app_reports_a_bad_value_without_a_traceback(tmp_path, monkeypatch, 
     assert "Traceback" not in error
 
 
-def acp_sgd_wire_fraction(network, rank=4, min_compression_rate=2.0):
+def acp_sgd_wire_fraction(network, ops, rank=4, min_compression_rate=2.0):
     """ACP-SGD's mean wire size over a P step and a Q step, as a fraction of the gradient
     (acp-sgd §IV: an n×m matrix sends n·r then m·r values when (n + m)·r·rate < n·m; the rest
-    travels whole), plus the runtime's one "used" flag per tensor and step."""
+    travels whole), plus the runtime's flags: one "used" flag per tensor and step, and one
+    "non-finite" flag per op (`ops`: the op count of the P and the Q plan)."""
     whole = p_step = q_step = 0
     for parameter in network.parameters():
         n = parameter.shape[0]
@@ -168,7 +169,7 @@ def acp_sgd_wire_fraction(network, rank=4, min_compression_rate=2.0):
             p_step, q_step = p_step + n * rank + 1, q_step + m * rank + 1
         else:
             p_step, q_step = p_step + parameter.numel() + 1, q_step + parameter.numel() + 1
-    return (p_step + q_step) / 2 / whole
+    return (p_step + ops["P"] + q_step + ops["Q"]) / 2 / whole
 
 
 def test_one_real_two_rank_job(tmp_path):
@@ -180,8 +181,9 @@ def test_one_real_two_rank_job(tmp_path):
     assert breakdown["steps"] == 8 - (1 + 3)  # max_steps minus the calibration (1 warm-up + 3 timed)
     tensors = list(models.build("cnn").parameters())
     gradient = sum(t.numel() for t in tensors)
-    # no compressor: every gradient element travels once, plus one "used" flag per tensor (one op each)
-    assert breakdown["compression_ratio"] == pytest.approx((gradient + len(tensors)) / gradient, rel=1e-12)
+    # no compressor: every gradient element travels once, plus two flags per op of one tensor each
+    # ("used" and "non-finite")
+    assert breakdown["compression_ratio"] == pytest.approx((gradient + 2 * len(tensors)) / gradient, rel=1e-12)
     assert breakdown["throughput"] == pytest.approx(2 * 32 / (breakdown["iteration_ms"] / 1e3))
     assert breakdown["predicted_ms"] > 0 and breakdown["comm_wait_ms"] >= 0
     assert result["plans"]["plain"] == {**result["plans"]["plain"], "planner": "wfbp", "ops": len(tensors)}
@@ -201,7 +203,8 @@ def test_a_two_job_sweep_writes_its_summary(tmp_path, monkeypatch):
         ("0", "strategy=ddp", "ddp"), ("1", "strategy=acp_sgd", "acp_sgd")]
     ddp, acp = rows
     assert ddp["compression_ratio"] == "" and ddp["comm_wait_ms"] == ""
-    expected = acp_sgd_wire_fraction(models.build("cnn"))
+    plans = json.loads((sweep / "1" / "result.json").read_text())["plans"]
+    expected = acp_sgd_wire_fraction(models.build("cnn"), {layout: plan["ops"] for layout, plan in plans.items()})
     assert float(acp["compression_ratio"]) == pytest.approx(expected, rel=1e-9)
     assert all(float(row["iteration_ms"]) > 0 and 0 <= float(row["final_accuracy"]) <= 100 for row in rows)
     table = (sweep / "summary.md").read_text().strip().splitlines()

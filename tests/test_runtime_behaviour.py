@@ -259,14 +259,14 @@ def test_a_dying_rank_makes_the_others_fail_not_hang():
     assert outcomes[0][0] == "ok" and outcomes[0][1].startswith("failed after"), outcomes[0]
 
 
-def non_finite(rank, world_size, mode, scale=float("inf")):
+def non_finite(rank, world_size, mode, scale=float("inf"), on_ranks=(1,)):
     torch.manual_seed(0)
     model = TiedNet()
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
                                      profile=synthetic_profile(model), cost=COST, nonfinite=mode)
     before = [p.detach().clone() for p in model.parameters()]
     loss = _loss(model, rank, 0)
-    if rank == 1:
+    if rank in on_ranks:
         loss = loss + model.mix.bias.sum() * scale
     loss.backward()
     try:
@@ -286,9 +286,14 @@ def test_non_finite_gradient_skips_the_step_on_every_rank():
 
 
 def test_finite_gradients_whose_sum_overflows_are_not_taken_for_non_finite():
-    """The check sums each reduced buffer first; 16 gradients of 1.5e38 overflow that sum, yet
+    """The check sums each rank's share of an op first; 16 shares of 1.5e38 overflow that sum, yet
     every element is finite, so the step goes ahead."""
     assert run_local(non_finite, 2, "raise", 3e38) == ["updated", "updated"]
+
+
+def test_gradients_whose_sum_over_ranks_overflows_average_to_finite_values():
+    """3e38 on both ranks: their sum overflows fp32, their mean does not (each rank sends its share)."""
+    assert run_local(non_finite, 2, "raise", 3e38, (0, 1)) == ["updated", "updated"]
 
 
 def traced(rank, world_size, path):

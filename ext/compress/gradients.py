@@ -21,13 +21,23 @@ def refuse_non_float(codec: str, specs: Mapping[str, TensorSpec]) -> None:
                           f"element; {bad[:5]} have {sizes}")
 
 
+def checksum(*tensors: torch.Tensor) -> torch.Tensor:
+    """One fp32 (fp64 for fp64) sum of every element, on the tensors' device: an inf or NaN makes
+    it inf or NaN. A sum can only overflow to inf past 3.4e38 (1.8e308), far beyond any gradient
+    of a run that has not already diverged; torch.isfinite(x).all() costs several times more on
+    the CPU."""
+    return sum(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors)
+
+
 def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether no element is inf or NaN, from one fp32 (fp64 for fp64) sum per tensor: an inf or
-    NaN makes the sum inf or NaN. A sum can only overflow to inf past 3.4e38 (1.8e308), far beyond
-    any gradient of a run that has not already diverged; torch.isfinite(x).all() costs several
-    times more on the CPU."""
-    total = sum(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors)
-    return bool(torch.isfinite(total))
+    """Whether no element is inf or NaN, from one `checksum`."""
+    return bool(torch.isfinite(checksum(*tensors)))
+
+
+def every_element_finite(tensor: torch.Tensor) -> bool:
+    """Whether no element is inf or NaN, exactly: `all_finite`'s one sum, then, only if that sum
+    is not finite (an inf or NaN, or finite elements whose sum overflows), the element-wise check."""
+    return all_finite(tensor) or bool(torch.isfinite(tensor).all())
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -2,12 +2,15 @@
 
 Every tensor passes through the codec (the identity when nothing is compressed): when the first
 op carrying a tensor launches, the codec encodes its gradient into a wire tensor, and ops carry
-slices of wire tensors. Each op's buffer holds its slices followed by one "used" flag per tensor;
-a rank whose backward never produced a gradient contributes zeros and flag 0. After the collective
-a flag sum of 0 means no rank used the tensor and its gradient is left untouched, as torch DDP does
-with ``find_unused_parameters``; otherwise, once every op of a tensor is done, the codec writes the
-averaged gradient. The engine never looks at which planner made the plan: phase, channel and order
-are all it needs.
+slices of wire tensors. Each op's buffer holds its slices, one "used" flag per tensor and a last
+"non-finite" flag: a rank whose backward never produced a gradient contributes zeros and used flag
+0, and a rank whose share sums to inf or NaN sets the non-finite flag (on the device, at launch,
+where the check overlaps the ops already in flight; each rank sends its share of the mean, whose
+partial sums cannot overflow, so the reduced data holds an inf or a NaN only where a share does).
+After the collective a used-flag sum of 0 means no rank used the tensor and its gradient is left
+untouched, as torch DDP does with ``find_unused_parameters``; otherwise, once every op of a tensor
+is done, the codec writes the averaged gradient. The engine never looks at which planner made the
+plan: phase, channel and order are all it needs.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..compress import Codec
-from ..compress.gradients import all_finite
+from ..compress.gradients import checksum, every_element_finite
 from ..errors import ConfigError
 from ..plan import BACKWARD, Plan, ops_by_channel
 from .channels import Channels
@@ -31,6 +34,7 @@ class _OpState:
     phase: str
     channel: int
     buffer: torch.Tensor
+    views: list[torch.Tensor]  # the buffer's span of each slice
     gathered: list[torch.Tensor] | None = None
     waiting_for: set[str] = field(default_factory=set)
     work: object = None
@@ -83,8 +87,9 @@ class PlanExecutor:
             position += s.length
         device = self.parameters[tensors[0]].device
         dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
-        buffer = torch.zeros(position + len(tensors), dtype=dtype, device=device)
-        return _OpState(slices, tensors, op.phase, op.channel, buffer)
+        buffer = torch.zeros(position + len(tensors) + 1, dtype=dtype, device=device)  # + flags
+        views = [buffer[position:position + length] for _, _, length, position in slices]
+        return _OpState(slices, tensors, op.phase, op.channel, buffer, views)
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
@@ -137,17 +142,19 @@ class PlanExecutor:
     def _launch(self, state: _OpState) -> None:
         buffer = state.buffer
         gathering = self.codec.collective == "allgather"
-        for name, offset, length, position in state.slices:
+        for (name, offset, length, _), target in zip(state.slices, state.views):
             wire = self._wire(name)
-            target = buffer[position:position + length]
             if wire is None:
                 target.zero_()
             elif gathering:
-                target.copy_(wire[offset:offset + length])
+                target.copy_(_span(wire, offset, length))
             else:  # the all-reduce sums each rank's share of the mean: copy and divide in one pass
-                torch.div(wire[offset:offset + length], self.channels.world_size, out=target)
-        flags = [1.0 if self._used(name) else 0.0 for name in state.tensors]
-        buffer[buffer.numel() - len(flags):].copy_(torch.tensor(flags, dtype=buffer.dtype))
+                torch.div(_span(wire, offset, length), self.channels.world_size, out=target)
+        data_end = _data_end(state)
+        flags = [1.0 if self._used(name) else 0.0 for name in state.tensors] + [0.0]
+        buffer[data_end:].copy_(torch.tensor(flags, dtype=buffer.dtype))
+        if self.nonfinite != "ignore" and buffer.is_floating_point():
+            buffer[-1:].copy_(~torch.isfinite(checksum(buffer[:data_end])))
         state.launched_at = time.perf_counter()
         if gathering:
             state.gathered = [torch.empty_like(buffer) for _ in range(self.channels.world_size)]
@@ -169,7 +176,7 @@ class PlanExecutor:
         if self.trace is not None:
             self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
                           state.buffer.numel() * state.buffer.element_size())
-        data_end = state.buffer.numel() - len(state.tensors)
+        data_end = _data_end(state)
         if state.gathered is not None:
             data = torch.stack([b[:data_end] for b in state.gathered])
             flags = sum(b[data_end:] for b in state.gathered).tolist()
@@ -177,22 +184,22 @@ class PlanExecutor:
             data = state.buffer[:data_end]
             flags = state.buffer[data_end:].tolist()
         used = dict(zip(state.tensors, flags))
-        check = self.nonfinite != "ignore"
-        if check and data.is_floating_point() and not all_finite(data):  # one sum; the exact check names them
+        if flags[-1]:  # a rank's share summed to inf or NaN; an overflowing sum of finite values names none
             bad = [name for name, _, length, position in state.slices
                    if not bool(torch.isfinite(data[..., position:position + length]).all())]
             if bad:
                 self._non_finite(bad)
-        for name, offset, length, position in state.slices:
+        for (name, offset, length, position), view in zip(state.slices, state.views):
             if used[name]:
                 target = self.codec.reduced_target(name, self.parameters[name], self.step)
-                target[..., offset:offset + length].copy_(data[..., position:position + length])
+                _span(target, offset, length).copy_(view if state.gathered is None
+                                                    else data[..., position:position + length])
         for name in state.tensors:
             self.ops_left[name] -= 1
             if self.ops_left[name] == 0 and used[name]:
                 self.finishable.append(name)
         if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
-            self._finish(check_decoded=check and not data.is_floating_point())
+            self._finish(check_decoded=self.nonfinite != "ignore" and not data.is_floating_point())
 
     def _finish(self, check_decoded: bool) -> None:
         """Let the codec write the gradients of the tensors whose ops are all done."""
@@ -203,7 +210,7 @@ class PlanExecutor:
                 break
             self.codec.finish(name, self.parameters[name], self.step)
             grad = self.parameters[name].grad
-            if check_decoded and not all_finite(grad) and not bool(torch.isfinite(grad).all()):
+            if check_decoded and not every_element_finite(grad):
                 self._non_finite([name])
         self.decode_seconds += time.perf_counter() - started
 
@@ -231,6 +238,17 @@ class PlanExecutor:
 
     def wire_bytes(self) -> int:
         return sum(state.buffer.numel() * state.buffer.element_size() for state in self.ops)
+
+
+def _span(tensor: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    """``tensor[..., offset:offset + length]``, or `tensor` itself where that is all of it (most
+    slices carry a whole tensor: one dispatch less each, as for the buffer's precomputed views)."""
+    return tensor if offset == 0 and length == tensor.shape[-1] else tensor[..., offset:offset + length]
+
+
+def _data_end(state: _OpState) -> int:
+    """Where an op's buffer turns from its slices to its flags (one per tensor and the non-finite one)."""
+    return state.buffer.numel() - len(state.tensors) - 1
 
 
 def check_nonfinite_mode(mode: str) -> str:
