@@ -360,26 +360,21 @@ def _zero(names, parameters, set_to_none: bool) -> None:
 
 
 def _broadcast_from_first(tensors, process_group) -> None:
-    """Give every rank the first rank's values of `tensors`: one broadcast of their bytes, each
-    tensor's span aligned to 16 bytes, the largest element size (whatever the mix of dtypes)."""
-    spans, position = [], 0
-    for tensor in tensors:
-        spans.append((tensor, position))
-        position += -(-tensor.numel() * tensor.element_size() // 16) * 16
-    if not spans:
+    """Give every rank the first rank's values of `tensors`: one broadcast of their bytes, packed
+    by one concatenation with the largest elements first, so that each tensor starts at a multiple
+    of its own element size (whatever the mix of dtypes)."""
+    if not tensors:
         return
-    flat = torch.empty(position, dtype=torch.uint8, device=spans[0][0].device)
-    for tensor, start in spans:
-        _byte_span(flat, tensor, start).copy_(tensor.detach().reshape(-1).view(torch.uint8))
+    ordered = sorted(tensors, key=lambda tensor: -tensor.element_size())
+    flat = torch.cat([tensor.detach().reshape(-1).view(torch.uint8) for tensor in ordered])
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
     dist.broadcast(flat, src=source, group=process_group)
+    if dist.get_rank() == source:  # its tensors hold what it sent
+        return
     with torch.no_grad():
-        for tensor, start in spans:
-            tensor.copy_(_byte_span(flat, tensor, start).view(tensor.dtype).view_as(tensor))
-
-
-def _byte_span(flat: torch.Tensor, tensor: torch.Tensor, start: int) -> torch.Tensor:
-    return flat[start:start + tensor.numel() * tensor.element_size()]
+        parts = torch.split(flat, [tensor.numel() * tensor.element_size() for tensor in ordered])
+        for tensor, part in zip(ordered, parts):
+            tensor.copy_(part.view(tensor.dtype).view_as(tensor))
 
 
 def attached(model) -> GradSync:
