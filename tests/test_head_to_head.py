@@ -88,3 +88,17 @@ def test_stolen_cpu_time_is_read_from_the_steal_column(tmp_path, monkeypatch):
     assert steal_note(10.0, 13.0, 100.0) == (" The hypervisor took 3.0 s of CPU time from the machine during the run"
                                              " (1.5% of its cores' time).")
     assert steal_note(None, 13.0, 100.0) == ""
+
+
+def test_a_target_whose_rows_did_not_run_is_reported_as_not_measured():
+    acp, hook = ROWS["acp_sgd"].label, ROWS["ddp_powersgd"].label
+    results = summarise([rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [3.3] * 3, acp: [1.0] * 3})])
+    [line] = targets({Setting("transformer", 2, "1gbit"): results})[:1]
+    assert "acp_sgd 3.30× torch DDP (target ≥ 3×): reached" in line
+    assert "against the PowerSGD hook: not measured in this run" in line and "0.00×" not in line
+    with_hook = summarise([rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [3.3] * 3, acp: [1.0] * 3, hook: [1.2] * 3})])
+    [line] = targets({Setting("transformer", 2, "1gbit"): with_hook})[:1]
+    assert "1.20× the PowerSGD hook (target ≥ 1.3×): NOT reached" in line
+    [cnn_line, simulator_line] = targets({Setting("cnn", 2, "1gbit"): results})
+    assert "best non-compressing plan against torch DDP: not measured in this run" in cnn_line
+    assert "over 0 gradsync rows: not measured (target ≤ 5%): not measured in this run" in simulator_line
