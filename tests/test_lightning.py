@@ -117,13 +117,17 @@ def flat(model) -> list[float]:
 
 
 class PlanOps(pl.Callback):
-    """Records, when training ends, how many ops each codec layout's plan has (None without gradsync)."""
+    """Records, before each batch, the codec layout and the op count of the plan its backward pass
+    runs (none without gradsync). The runtime replaces its plans once it has timed the layers, so
+    the count is taken per step."""
 
-    ops: dict | None = None
+    def __init__(self):
+        self.ops: list[list] = []
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         runtime = getattr(trainer.strategy, "runtime", None)
-        self.ops = None if runtime is None else {layout: len(plan.ops) for layout, plan in runtime.plans.items()}
+        if runtime is not None:
+            self.ops.append([runtime.codec.rounds(runtime.sync_steps)[0], len(runtime.plan.ops)])
 
 
 def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> dict:
@@ -288,7 +292,7 @@ def test_uncompressed_strategies_match_ddp(ranks, name):
 
 
 def test_wfbp_sends_every_gradient_once(ranks):
-    assert ranks[0]["wfbp"]["ops"] == {"plain": 6}  # one op per tensor
+    assert ranks[0]["wfbp"]["ops"][-1] == ["plain", 6]  # once timed: one op per tensor
     assert ranks[0]["wfbp"]["progress_bar"]["gradsync/bytes_sent"] == (GRADIENT_NUMEL + USED_FLAGS + 6) * 4
 
 
@@ -301,7 +305,9 @@ def test_compressors_send_less(ranks, name):
 def test_acp_sgd_sends_its_q_factors_on_the_last_step(ranks):
     """Steps alternate P, Q, P, ... from the first (Algorithm 2): the sixth step is a Q step."""
     shown = ranks[0]["acp_sgd"]["progress_bar"]
-    sent = ACP_Q_NUMEL + USED_FLAGS + ranks[0]["acp_sgd"]["ops"]["Q"]
+    layout, ops = ranks[0]["acp_sgd"]["ops"][-1]
+    assert layout == "Q"
+    sent = ACP_Q_NUMEL + USED_FLAGS + ops
     assert shown["gradsync/bytes_sent"] == sent * 4
     assert shown["gradsync/compression_ratio"] == pytest.approx(sent / GRADIENT_NUMEL, rel=1e-6)
 
@@ -385,9 +391,9 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
         rows = [row for row in csv.DictReader(handle) if row.get("gradsync/bytes_sent")]
     assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
     ops = json.loads((tmp_path / "ops.json").read_text())
-    for row in rows:
-        layout, numel = ("P", ACP_P_NUMEL) if int(row["step"]) % 2 == 0 else ("Q", ACP_Q_NUMEL)
-        sent = numel + USED_FLAGS + ops[layout]
+    assert [layout for layout, _ in ops] == ["P", "Q", "P", "Q"]  # Algorithm 2 alternates from P
+    for row, (layout, op_count) in zip(rows, ops):
+        sent = (ACP_P_NUMEL if layout == "P" else ACP_Q_NUMEL) + USED_FLAGS + op_count
         assert float(row["gradsync/bytes_sent"]) == sent * 4
         assert float(row["gradsync/compression_ratio"]) == pytest.approx(sent / GRADIENT_NUMEL, rel=1e-6)
         assert 0 <= float(row["gradsync/comm_wait"]) <= float(row["gradsync/iteration_time"])
