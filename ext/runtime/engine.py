@@ -347,10 +347,15 @@ class GradSync:
 
 
 def _zero_one(parameter, set_to_none: bool) -> None:
+    """As torch's Optimizer.zero_grad; a gradient that is a span of an op buffer (a view) is
+    zeroed in place without the in-place detach a view refuses."""
     if set_to_none:
         parameter.grad = None
     elif parameter.grad is not None:
-        parameter.grad.detach_()
+        if parameter.grad.grad_fn is not None:
+            parameter.grad.detach_()
+        else:
+            parameter.grad.requires_grad_(False)
         parameter.grad.zero_()
 
 

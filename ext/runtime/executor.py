@@ -9,7 +9,8 @@ where the check overlaps the ops already in flight; each rank sends its share of
 partial sums cannot overflow, so the reduced data holds an inf or a NaN only where a share does).
 After the collective a used-flag sum of 0 means no rank used the tensor and its gradient is left
 untouched, as torch DDP does with ``find_unused_parameters``; otherwise, once every op of a tensor
-is done, the codec writes the averaged gradient. The engine never looks at which planner made the
+is done, the codec writes the averaged gradient (an uncompressed tensor that one op carries whole
+needs no writing: its span of the buffer becomes the gradient). The engine never looks at which planner made the
 plan: phase, channel and order are all it needs.
 """
 from __future__ import annotations
@@ -190,10 +191,14 @@ class PlanExecutor:
             if bad:
                 self._non_finite(bad)
         for (name, offset, length, position), view in zip(state.slices, state.views):
-            if used[name]:
-                target = self.codec.reduced_target(name, self.parameters[name], self.step)
-                _span(target, offset, length).copy_(view if state.gathered is None
-                                                    else data[..., position:position + length])
+            if not used[name]:
+                continue
+            parameter = self.parameters[name]
+            target = self.codec.reduced_target(name, parameter, self.step)
+            if state.gathered is not None:
+                _span(target, offset, length).copy_(data[..., position:position + length])
+            elif not _adopt_as_gradient(parameter, target, view):
+                _span(target, offset, length).copy_(view)
         for name in state.tensors:
             self.ops_left[name] -= 1
             if self.ops_left[name] == 0 and used[name]:
@@ -244,6 +249,19 @@ def _span(tensor: torch.Tensor, offset: int, length: int) -> torch.Tensor:
     """``tensor[..., offset:offset + length]``, or `tensor` itself where that is all of it (most
     slices carry a whole tensor: one dispatch less each, as for the buffer's precomputed views)."""
     return tensor if offset == 0 and length == tensor.shape[-1] else tensor[..., offset:offset + length]
+
+
+def _adopt_as_gradient(parameter: torch.nn.Parameter, target: torch.Tensor, reduced: torch.Tensor) -> bool:
+    """Make the reduced span the parameter's gradient, instead of copying it there, where `target`
+    (the codec's landing place) is that whole gradient: as torch DDP's ``gradient_as_bucket_view``,
+    the gradient then lives in the op's buffer until the next backward pass replaces it (or, with
+    ``zero_grad(set_to_none=False)``, accumulates into it). Returns whether it did."""
+    grad = parameter.grad
+    if (grad is None or target.data_ptr() != grad.data_ptr() or reduced.numel() != grad.numel()
+            or reduced.dtype != grad.dtype or not parameter.is_contiguous()):
+        return False
+    parameter.grad = reduced.view_as(parameter)
+    return True
 
 
 def _data_end(state: _OpState) -> int:
