@@ -10,8 +10,8 @@ partial sums cannot overflow, so the reduced data holds an inf or a NaN only whe
 After the collective a used-flag sum of 0 means no rank used the tensor and its gradient is left
 untouched, as torch DDP does with ``find_unused_parameters``; otherwise, once every op of a tensor
 is done, the codec writes the averaged gradient (an uncompressed tensor that one op carries whole
-needs no writing: its span of the buffer becomes the gradient). The engine never looks at which planner made the
-plan: phase, channel and order are all it needs.
+needs no writing: its span of the buffer becomes the gradient). The engine never looks at which
+planner made the plan: phase, channel and order are all it needs.
 """
 from __future__ import annotations
 
