@@ -168,6 +168,7 @@ class Variant:
     seconds: list[float] = field(default_factory=list)
     comm_wait: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
+    compute_scales: list[list[float]] = field(default_factory=list)  # per timed block, its iterations'
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.optimizer.zero_grad()
@@ -192,6 +193,7 @@ class Variant:
                 recent = list(itertools.islice(reversed(attached(self.model).history), iterations))
                 self.comm_wait.append((sum(s.comm_wait for s in recent) + settled) / iterations)
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
+                self.compute_scales.append([s.compute_scale for s in recent])
 
     def calibrate(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         """Consecutive steps until gradsync has measured its profile and timed its plans (no other
@@ -218,7 +220,7 @@ class Variant:
             report["plan"] = sync.plan.options.get("chosen")  # what `auto` picked
             report["trials"] = sync.trial_times  # the plans `auto` timed, if any
             report["replay"] = replay_record(sync.layout_plans, sync.codec.steady_rounds(), sync.cost,
-                                             sync.rank_profiles)
+                                             sync.rank_profiles, self.compute_scales)
         return report
 
 

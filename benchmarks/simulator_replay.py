@@ -3,8 +3,9 @@
 `python -m benchmarks.head_to_head` stores, beside its markdown, a JSON file with, per setting and
 gradsync row, the row's measured median time, the prediction made during the run and what that
 prediction was made from: the plan and wire profile of every layout, the codec's steady cycle of
-rounds, the cost model and each rank's measured profile. Replaying re-runs only the simulator on
-them, so a change to the model can be judged on the same measurements (a new netbed run differs by
+rounds, the cost model, each rank's measured profile and the factor on the profile's times each
+timed block was predicted with (gradsync.runtime.compute_speed). Replaying re-runs only the
+simulator on them, so a change to the model can be judged on the same measurements (a new netbed run differs by
 its own noise).
 
     .venv/bin/python -m benchmarks.simulator_replay [benchmarks/results/head_to_head.json]
@@ -27,26 +28,34 @@ DEFAULT_RECORD = Path(__file__).parent / "results" / "head_to_head.json"
 
 
 def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel,
-                  rank_profiles: list[ModelProfile] = ()) -> dict:
+                  rank_profiles: list[ModelProfile] = (), compute_scales: list[list[float]] = ()) -> dict:
     """What a row's prediction is made from, as JSON-ready data: each layout's plan and wire
     profile, the rounds of the codec's steady cycle (a timed block covers whole cycles) and the
-    cost model; with each rank's measured profile, which the wire profiles were combined from."""
+    cost model; with each rank's measured profile, which the wire profiles were combined from; with
+    the compute scale of each timed block's iterations (`IterationStats.compute_scale`)."""
     return {"layouts": {layout: {"plan": entry.plan.to_dict(), "wire": entry.wire.to_dict()}
                         for layout, entry in layout_plans.items()},
             "cycle": [list(rounds) for rounds in cycle], "cost": cost.to_dict(),
-            "rank_profiles": [profile.to_dict() for profile in rank_profiles]}
+            "rank_profiles": [profile.to_dict() for profile in rank_profiles],
+            "compute_scales": [list(block) for block in compute_scales]}
 
 
 def replayed_prediction(record: dict) -> float:
     """The mean predicted step time over the stored cycle, simulated now: where the record keeps
-    each rank's profile, with the layer times the runtime now combines from them (`slowest_times`)."""
+    each rank's profile, with the layer times the runtime now combines from them (`slowest_times`);
+    where it keeps compute scales, per timed block the mean over its iterations' scales, and then
+    the median over the blocks (as the head-to-head takes the measured time's)."""
     cost = CostModel(**record["cost"])  # its to_dict form
     ranks = [ModelProfile.from_dict(data) for data in record.get("rank_profiles", [])]
     combined = slowest_times(ranks) if ranks else None
-    layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]),
-                                       timed_as(ModelProfile.from_dict(entry["wire"]), combined))
-                    for layout, entry in record["layouts"].items()}
-    return predict_steady(layout_plans, [tuple(rounds) for rounds in record["cycle"]], cost)
+    layouts = {layout: (Plan.from_dict(entry["plan"]), timed_as(ModelProfile.from_dict(entry["wire"]), combined))
+               for layout, entry in record["layouts"].items()}
+    cycle = [tuple(rounds) for rounds in record["cycle"]]
+    blocks = record.get("compute_scales") or [[1.0]]
+    at_scale = {scale: predict_steady({layout: LayoutPlan(plan, wire.scaled(scale) if scale != 1.0 else wire)
+                                       for layout, (plan, wire) in layouts.items()}, cycle, cost)
+                for scale in {scale for block in blocks for scale in block}}
+    return statistics.median(statistics.fmean(at_scale[scale] for scale in block) for block in blocks)
 
 
 def timed_as(wire: ModelProfile, profile: ModelProfile | None) -> ModelProfile:

@@ -11,7 +11,9 @@ eq. 9 and for one op the a + b·m of eq. 3. The next forward starts when the bac
 backward-phase ops are done and the update of the layers they carry (optimizer step, decoding) has
 run; a layer whose gradients travel in forward-phase ops is updated just before its forward, and
 its forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
-The iteration time is the end of the next forward of layer L (us-byte eq. 12).
+The iteration time is the end of the next forward of layer L (us-byte eq. 12). The timeline also
+gives the computing thread's busy time (its work, slowed as below), the runtime's measured
+iteration time less its wait on communication.
 Two terms are not in the papers, whose ops cost the computation nothing. With a cost model's
 `host` > 0, each op takes `host` seconds of the computing thread when it launches: a backward-phase
 op in the gradient hook of the layer that completes it (or later, as ops launch in channel order),
@@ -60,6 +62,8 @@ class Timeline:
 
     iteration_time: float
     compute_time: float
+    busy_time: float  # the computing thread's time at work: layers, updates, op launches, slowdowns included
+    backward_busy: float  # the part of busy_time up to backward_end
     backward_end: float
     comm_end: float
     ops: tuple[OpSpan, ...]
@@ -209,7 +213,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     in_flight = InFlight(cost)
     running_on: dict[int, int] = {channel: 0 for channel in queues}  # ops in flight per channel
     layer_spans: list[LayerSpan] = []
-    clock = backward_end = 0.0
+    clock = backward_end = busy = backward_busy = 0.0
     task, remaining, begun = 0, (tasks[0].work if tasks else 0.0), None
     waiting = set(tasks[0].gate) if tasks else set()  # the current task's ops not yet done
     done = 0
@@ -238,6 +242,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
         clock += step
         if not running:
             continue
+        busy += step
         remaining -= step / slowdown
         if remaining > 1e-12 * max(1.0, clock):
             continue
@@ -249,7 +254,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
             layer_spans.append(LayerSpan(layer, profile.layers[layer].name, current.span[1], begun, clock))
         task += 1
         if task == backward_tasks:
-            backward_end = clock
+            backward_end, backward_busy = clock, busy
         remaining, begun = (tasks[task].work if task < len(tasks) else 0.0), None
         waiting = {op for op in tasks[task].gate if not finished[op]} if task < len(tasks) else set()
 
@@ -259,6 +264,8 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
     return Timeline(
         iteration_time=clock,
         compute_time=profile.forward_time + profile.backward_time + profile.update_time,
+        busy_time=busy,
+        backward_busy=backward_busy,
         backward_end=backward_end,
         comm_end=max(end, default=0.0),
         ops=op_spans,

@@ -4,6 +4,7 @@ import pytest
 
 from gradsync import CostModel, Op, Plan, Slice, planners, simulate
 from gradsync.errors import ConfigError
+from gradsync.compress.planning import LayoutPlan, predict_step, step_prediction
 from gradsync.plan import FORWARD
 from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
 from gradsync.simulate import contention_slowdown
@@ -168,6 +169,32 @@ def test_forward_phase_ops_slow_the_forward_they_overlap():
     slowed = simulate(plan, profile, CostModel(1 * MS, 1e-6, compute_slowdown=2.0))
     assert [s.end for s in plain.layers if s.kind == "forward"] == pytest.approx([13 * MS, 15 * MS])
     assert [s.end for s in slowed.layers if s.kind == "forward"] == pytest.approx([15 * MS, 16 * MS])
+
+
+def test_busy_time_is_the_computing_threads_work_with_its_slowdowns_and_launches():
+    profile = toy_profile([(1000, 1, 10)] * 3)
+    # no slowdown: the thread's work is the profile's 33 ms, 30 of them in the backward pass
+    plain = simulate(planners.get("wfbp")(profile, COST), profile, COST)
+    assert (plain.busy_time, plain.backward_busy) == pytest.approx((33 * MS, 30 * MS))
+    # σ = 2 (worked above): layers 2, 1, 0 take 10, 12 and 12 ms, the forward 3 ms after waiting 34→39
+    slowed_cost = CostModel(1 * MS, 1e-6, compute_slowdown=2.0)
+    slowed = simulate(planners.get("wfbp")(profile, slowed_cost), profile, slowed_cost)
+    assert (slowed.busy_time, slowed.backward_busy) == pytest.approx((37 * MS, 34 * MS))
+    # each launch is 0.5 ms of the thread's time, waiting is not
+    launching = simulate(planners.get("wfbp")(profile, HOST), profile, HOST)
+    assert (launching.busy_time, launching.backward_busy) == pytest.approx((34.5 * MS, 31.5 * MS))
+    assert launching.iteration_time == pytest.approx(39.5 * MS)
+
+
+def test_a_later_rounds_all_reduces_are_waited_for_not_worked():
+    profile = toy_profile([(1000, 1, 2)] * 3)
+    plan = planners.get("wfbp")(profile, COST)
+    layouts = {"P": LayoutPlan(plan, profile), "Q": LayoutPlan(plan, profile.with_update_time(1 * MS))}
+    one, two = step_prediction(layouts, ("P",), COST), step_prediction(layouts, ("P", "Q"), COST)
+    assert (one.time, one.busy) == pytest.approx((20 * MS, 9 * MS))  # wfbp's 20 ms above
+    # round P's ops end at 17; Q's three ops (gradients all ready) 17→32; Q's update 32→33, forward 33→36
+    assert (two.time, two.busy) == pytest.approx((36 * MS, 10 * MS))
+    assert predict_step(layouts, ("P", "Q"), COST) == two.time
 
 
 @pytest.mark.parametrize("attr", ["compute_slowdown", "transfer_slowdown"])

@@ -73,3 +73,17 @@ def test_a_record_with_rank_profiles_replays_on_the_times_combined_from_them():
     on_slower = {layout: LayoutPlan(entry.plan, wire_profile(slower, codec, layout)) for layout, entry in plans.items()}
     assert replayed_prediction(record) == pytest.approx(predict_steady(on_slower, codec.steady_rounds(), cost), rel=1e-12)
     assert replayed_prediction(record) > 1.1 * seconds  # not the stored wire profile's times
+
+
+def test_a_record_with_compute_scales_replays_each_block_at_its_scale_and_takes_the_median():
+    cost = CostModel(a=1e-3, b=8e-9, compute_slowdown=1.2)
+    record, seconds = stored_row(None, cost)
+    at = {}
+    for scale in (1.0, 1.5, 2.0, 3.0):
+        at[scale] = replayed_prediction(dict(record, compute_scales=[[scale]]))
+    assert at[1.0] == pytest.approx(seconds, rel=1e-12) and at[1.0] < at[1.5] < at[2.0] < at[3.0]
+    # blocks [1.5], [1.5, 3.0] (straddling a rescale) and [2.0]: the median of 1.5's, the mean of 1.5's and
+    # 3.0's, and 2.0's prediction
+    blocks = dict(record, compute_scales=[[1.5], [1.5, 3.0], [2.0]])
+    expected = sorted([at[1.5], (at[1.5] + at[3.0]) / 2, at[2.0]])[1]
+    assert replayed_prediction(blocks) == pytest.approx(expected, rel=1e-12)

@@ -47,14 +47,22 @@ def scale_byte_options(planner, options: dict, rate: float) -> dict:
     return scaled
 
 
-def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> float:
-    """Predicted iteration time of a step sending `rounds`. One round: the simulator's time. A later
-    round starts once the one before is reduced, so its all-reduces follow the first round's end,
-    before the next forward (timed by simulating its plan with all gradients ready at once)."""
+@dataclass(frozen=True)
+class StepPrediction:
+    """A step's predicted iteration time and the computing thread's busy time in it (seconds)."""
+
+    time: float
+    busy: float
+
+
+def step_prediction(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> StepPrediction:
+    """Predicted time of a step sending `rounds`. One round: the simulator's. A later round starts
+    once the one before is reduced, so its all-reduces follow the first round's end, before the next
+    forward (timed by simulating its plan with all gradients ready at once); the thread then waits."""
     first = layout_plans[rounds[0]]
     timeline = simulate(first.plan, first.wire, cost)
     if len(rounds) == 1:
-        return timeline.iteration_time
+        return StepPrediction(timeline.iteration_time, timeline.busy_time)
     clock = max(timeline.backward_end, timeline.comm_end)
     for layout in rounds[1:]:
         later = layout_plans[layout]
@@ -62,7 +70,13 @@ def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], c
                                                       for l in later.wire.layers))
         clock += simulate(later.plan, at_once, cost).comm_end
     last = layout_plans[rounds[-1]].wire
-    return clock + last.update_time + last.forward_time
+    tail = last.update_time + last.forward_time
+    return StepPrediction(clock + tail, timeline.backward_busy + tail)
+
+
+def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> float:
+    """Predicted iteration time of a step sending `rounds` (`step_prediction`)."""
+    return step_prediction(layout_plans, rounds, cost).time
 
 
 def predict_steady(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel) -> float:

@@ -28,10 +28,11 @@ from ..agreement import check_same_on_all_ranks
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
-from ..compress.planning import plan_layouts, predict_step
+from ..compress.planning import LayoutPlan, StepPrediction, plan_layouts, step_prediction
 from ..plan import BACKWARD, Plan
 from ..profile import ModelProfile
 from .channels import Channels
+from .compute_speed import ComputeSpeed, slowest_over_ranks
 from .executor import PlanExecutor
 from .layout import ParameterLayout
 from .optimizer import ParameterSubset, hyperparameters
@@ -46,15 +47,13 @@ class IterationStats:
     """One iteration as measured on this rank, beside the simulator's prediction (seconds)."""
 
     iteration: int
-    iteration_time: float
+    iteration_time: float  # from the end of the previous step to the end of this one
     comm_wait: float  # time blocked on communication: the non-overlapped part
     bytes_sent: int
     predicted_time: float
     update_time: float = 0.0  # serial work: buffer broadcast, optimizer step, codec work outside the hooks
-
-    @property
-    def compute_time(self) -> float:
-        return max(0.0, self.iteration_time - self.comm_wait)
+    busy_time: float = 0.0  # from the iteration's first forward to the end of its step, less comm_wait
+    compute_scale: float = 1.0  # the factor on the profile's times the prediction was made with
 
 
 class GradSync:
@@ -80,7 +79,8 @@ class GradSync:
         self.plans: dict[str, Plan] = {}  # per codec layout
         self.executors: dict[str, PlanExecutor] = {}
         self.layout_plans = {}
-        self.predictions: dict[tuple[str, ...], float] = {}
+        self.predictions: dict[tuple[str, ...], StepPrediction] = {}
+        self.speed = ComputeSpeed()
         self.profile: ModelProfile | None = None
         self.rank_profiles: list[ModelProfile] = []  # each rank's measured profile (`profile` combines them)
         self.cost: CostModel | None = None
@@ -93,6 +93,7 @@ class GradSync:
         self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
         self.layer_subsets: dict[str, ParameterSubset] = {}
         self.iteration_started = time.perf_counter()
+        self.forward_started: float | None = None  # the iteration's first forward
         self.comm_wait = 0.0
         self.update_time = 0.0
         self.optimizer = None
@@ -121,14 +122,18 @@ class GradSync:
         plans = {layout: entry.plan for layout, entry in layout_plans.items()}
         self._check_same_plans(plans)
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
-        self.predictions = {}
+        self.predictions, self.speed = {}, ComputeSpeed()
         self.executors = {layout: PlanExecutor(plan, self.layout.parameters, self.channels, self.codec, layout,
                                                self.nonfinite, self.trace) for layout, plan in plans.items()}
 
-    def predicted_time(self, rounds: tuple[str, ...]) -> float:
-        """The simulator's iteration time for a step sending `rounds` (cached)."""
+    def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
+        """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
+        the measured speed of the computation (gradsync.runtime.compute_speed); cached."""
         if rounds not in self.predictions:
-            self.predictions[rounds] = predict_step(self.layout_plans, rounds, self.cost)
+            scale = self.speed.scale
+            layout_plans = {layout: LayoutPlan(entry.plan, entry.wire.scaled(scale) if scale != 1.0 else entry.wire)
+                            for layout, entry in self.layout_plans.items()}
+            self.predictions[rounds] = step_prediction(layout_plans, rounds, self.cost)
         return self.predictions[rounds]
 
     @property
@@ -187,6 +192,8 @@ class GradSync:
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
+        if self.forward_started is None:
+            self.forward_started = time.perf_counter()
         for module_name in [m for m in self.pending if m in self.silent]:
             self._apply_deferred(module_name)
         if self.broadcast_buffers:
@@ -292,16 +299,28 @@ class GradSync:
 
     def _finish_iteration(self) -> None:
         now = time.perf_counter()
+        busy = max(0.0, now - (self.forward_started or self.iteration_started) - self.comm_wait)
+        prediction = self.prediction(self.rounds_now)
         stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
                                sum(self.executors[layout].wire_bytes() for layout in self.rounds_now),
-                               self.predicted_time(self.rounds_now), self.update_time)
+                               prediction.time, self.update_time, busy, self.speed.scale)
         self.history.append(stats)
         if self.trace is not None:
             self.trace.iteration(stats)
         self.iteration += 1
-        self.iteration_started, self.comm_wait, self.update_time = now, 0.0, 0.0
+        self.iteration_started, self.forward_started, self.comm_wait, self.update_time = now, None, 0.0, 0.0
         if self.measurement is not None:
             self.measurement.iteration_done(self)
+        elif self.speed.observe(busy, prediction.busy):
+            self._follow_compute_speed()
+
+    def _follow_compute_speed(self) -> None:
+        """Rescale the predictions to the slowest rank's measured speed (a collective; every rank
+        reaches it at the same iteration)."""
+        device = next(iter(self.layout.parameters.values())).device
+        ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, device)
+        if self.speed.rescale(ratio):
+            self.predictions = {}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

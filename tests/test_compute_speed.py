@@ -1,0 +1,100 @@
+"""Predictions that follow the measured speed of the computation (gradsync.runtime.compute_speed)."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync import ConfigError
+from gradsync.launch import run_local
+from gradsync.runtime import attached
+from gradsync.runtime.compute_speed import ComputeSpeed
+from gradsync.runtime.layout import ParameterLayout
+from runtime_models import COST
+
+
+def test_the_scale_moves_by_the_windows_median_ratio_beyond_the_tolerance():
+    speed = ComputeSpeed(window=3, tolerance=0.05)
+    assert [speed.observe(measured, 1.0) for measured in (2.0, 9.0, 1.8)] == [False, False, True]
+    ratio = speed.window_ratio()
+    assert ratio == 2.0 and speed.ratios == []  # the median: one disturbed iteration does not count
+    assert speed.rescale(ratio) and speed.scale == 2.0
+    # predictions made with the new scale: measured/predicted ratios near 1 keep it
+    assert not speed.rescale(1.04) and speed.scale == 2.0
+    assert speed.rescale(0.5) and speed.scale == 1.0
+    # a prediction of nothing counts as on time
+    speed.observe(0.3, 0.0)
+    assert speed.ratios == [1.0]
+
+
+@pytest.mark.parametrize("window, tolerance, message", [(0, 0.1, "'window'"), (True, 0.1, "'window'"),
+                                                        (2.5, 0.1, "'window'"), (4, 1.0, "'tolerance'"),
+                                                        (4, -0.1, "'tolerance'")])
+def test_bad_settings_are_refused(window, tolerance, message):
+    with pytest.raises(ConfigError, match=message):
+        ComputeSpeed(window, tolerance)
+
+
+class PacedNet(nn.Module):
+    """Two linear layers; the forward sleeps `pause` seconds (the computing thread's own time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.pause = 0.0
+
+    def forward(self, x):
+        time.sleep(self.pause)
+        return self.second(torch.relu(self.first(x)))
+
+
+def paced_profile(model: PacedNet):
+    """1 ms forward and 2 ms backward per layer: far from the paced model's real times."""
+    layout = ParameterLayout.of(model)
+    return layout.profile("paced", ["first", "second"], {m: 1e-3 for m in layout.owners},
+                          {m: 2e-3 for m in layout.owners})
+
+
+def paced_training(rank, world_size, pauses):
+    """Train with the given pauses per phase (one phase: 3 windows), rank 1's later pauses 3× longer;
+    per phase: this rank's median measured busy time over its last window, the scale, and the
+    predicted busy time at that scale."""
+    torch.manual_seed(0)
+    model = PacedNet()
+    wrapped, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                       profile=paced_profile(model), cost=COST)
+    sync = attached(wrapped)
+    window = sync.speed.window
+    generator = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 8, generator=generator), torch.randint(0, 4, (4,), generator=generator)
+    phases = []
+    for phase, pause in enumerate(pauses):
+        model.pause = pause * (3 if rank == 1 and phase > 0 else 1)
+        for _ in range(3 * window):
+            optimizer.zero_grad()
+            F.cross_entropy(wrapped(x), y).backward()
+            optimizer.step()
+        recent = sorted(stats.busy_time for stats in list(sync.history)[-window:])
+        phases.append((recent[window // 2], sync.speed.scale, sync.prediction(sync.rounds_now).busy,
+                       sync.history[-1].compute_scale, sync.plan.hash))
+    sync.detach()
+    return phases
+
+
+def test_predictions_follow_the_slowest_ranks_measured_speed_and_the_plan_stays():
+    results = run_local(paced_training, 2, [0.02, 0.02])
+    (early0, late0), (early1, late1) = results
+    # the first phase: both ranks pause 20 ms, and the made-up 9 ms profile is scaled up to it
+    for busy, scale, predicted, recorded_scale, _ in (early0, early1):
+        assert busy > 0.02 and predicted == pytest.approx(busy, rel=0.25)
+        assert scale > 2 and recorded_scale == scale
+    # the second phase: rank 1 pauses 60 ms; rank 0 waits for it in the all-reduce (not busy), and
+    # both ranks predict rank 1's pace with one scale
+    assert late0[1] == late1[1] and early0[1] == early1[1]
+    assert late1[0] > 0.06 and late1[2] == pytest.approx(late1[0], rel=0.25)
+    assert late0[0] < 0.5 * late1[0]
+    assert 2 < late1[1] / early1[1] < 4.5
+    # plans do not change with the predictions
+    assert {phase[4] for phase in (early0, late0, early1, late1)} == {early0[4]}
