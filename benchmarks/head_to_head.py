@@ -469,7 +469,8 @@ NOTES = [
     " communication (IterationStats.comm_wait, plus the wait for deferred ops at the block's end); for"
     " torch rows, the row's time minus the compute-only time (forward, backward and step without"
     " communication, measured in the same interleaved loop). Predicted: the simulator's iteration time"
-    " for the plan the row ran (from its measured profile and the job's fitted cost); error = (predicted −"
+    " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
+    " speed, and the job's fitted cost); error = (predicted −"
     " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"
     " trials: 3 iterations each, run alone; the slowest rank's median) before choosing.",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"
