@@ -5,15 +5,17 @@ namespace, `tc`-shaped links): every rank holds one copy of the model per row, p
 without communication (the compute-only reference). Each gradsync row first runs alone until it
 has measured its profile and, for `auto`, timed its plans. Then rows run interleaved in blocks —
 A A B B … A A B B — after warm-up rounds (DDP's bucket rebuild, the compressors' uncompressed
-start); each block starts after a barrier, and gradsync's last deferred updates are applied inside
-the block, so plans that overlap the next forward pass keep that overlap within the block and never
-borrow another row's time. A block's time is its slowest rank's. torch DDP and gradsync
+start); each block starts after a barrier with one untimed step, so that the timed steps run as in
+training: the first one's forward waits for that step's ops of a plan that overlaps the next
+forward pass, as every later one does, and the last timed step's ops complete after the clock
+stops (in training the next forward waits for them), before the next block: no row borrows
+another's time. A block's time is its slowest rank's. torch DDP and gradsync
 ddp_buckets (the same buckets) run several blocks each per round, alternating: the runtime's
 overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job
 and given to every gradsync row.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
 
-    .venv/bin/python -m benchmarks.head_to_head              # every setting (about 20 minutes)
+    .venv/bin/python -m benchmarks.head_to_head              # every setting (about 30 minutes)
     .venv/bin/python -m benchmarks.head_to_head --quick      # CNN, 2 ranks, 1 Gbit/s, four rows
     .venv/bin/python -m benchmarks.head_to_head --models transformer --world-sizes 2 --rates 1gbit \\
         --rows ddp ddp_powersgd acp_sgd
@@ -152,6 +154,7 @@ ROWS = {
 }
 TOPOLOGY_ROWS = ("forest",)  # rows that need a --topology run
 OVERHEAD_PAIR = (ROWS["ddp"].label, ROWS["ddp_buckets"].label)
+UNTIMED_STEPS = 1  # per block, before its clock starts (see the module docstring)
 OVERHEAD_PAIRS = 4  # blocks of each per round, alternating: the overhead's same-round samples
 QUICK_ROWS = ("ddp", "ddp_powersgd", "mg_wfbp", "acp_sgd")
 
@@ -176,22 +179,25 @@ class Variant:
         self.optimizer.step()
 
     def block(self, inputs: torch.Tensor, labels: torch.Tensor, iterations: int, timed: bool) -> None:
-        """`iterations` steps after a barrier; gradsync's deferred updates are applied before the clock stops."""
+        """After a barrier and `UNTIMED_STEPS`, `iterations` timed steps; then gradsync's ops still
+        in flight complete and its deferred updates are applied, after the clock has stopped."""
         dist.barrier()
-        started = time.perf_counter()
         try:
+            for _ in range(UNTIMED_STEPS):
+                self.step(inputs, labels)
+            started = time.perf_counter()
             for _ in range(iterations):
                 self.step(inputs, labels)
+            elapsed = time.perf_counter() - started
         except Exception as failure:
             failure.add_note(f"in row {self.label!r}")
             raise
-        settled = self.settle()
-        elapsed = time.perf_counter() - started
+        self.settle()
         if timed:
             self.seconds.append(elapsed / iterations)
             if self.gradsync:
                 recent = list(itertools.islice(reversed(attached(self.model).history), iterations))
-                self.comm_wait.append((sum(s.comm_wait for s in recent) + settled) / iterations)
+                self.comm_wait.append(sum(s.comm_wait for s in recent) / iterations)
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
                 self.compute_scales.append([s.compute_scale for s in recent])
 
@@ -205,13 +211,10 @@ class Variant:
             self.step(inputs, labels)
         raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
 
-    def settle(self) -> float:
-        """Seconds spent waiting for gradsync's outstanding ops and applying deferred updates."""
-        if not self.gradsync:
-            return 0.0
-        started = time.perf_counter()
-        attached(self.model).flush()
-        return time.perf_counter() - started
+    def settle(self) -> None:
+        """Wait for gradsync's outstanding ops and apply its deferred updates."""
+        if self.gradsync:
+            attached(self.model).flush()
 
     def report(self) -> dict:
         report = {"seconds": self.seconds, "comm_wait": self.comm_wait, "predicted": self.predicted}
@@ -466,7 +469,7 @@ def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
 NOTES = [
     "Median iteration time over the timed blocks (each block's time is its slowest rank's); speed-up ="
     " torch DDP's time / the row's time. Non-overlapped communication: gradsync's measured wait on"
-    " communication (IterationStats.comm_wait, plus the wait for deferred ops at the block's end); for"
+    " communication (IterationStats.comm_wait of the timed steps); for"
     " torch rows, the row's time minus the compute-only time (forward, backward and step without"
     " communication, measured in the same interleaved loop). Predicted: the simulator's iteration time"
     " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
@@ -598,7 +601,7 @@ def parser() -> argparse.ArgumentParser:
                      help=f"default: all ({', '.join(TOPOLOGY_ROWS)} only with --topology)")
     cli.add_argument("--rounds", type=int, default=6, help="timed rounds (one block per row each)")
     cli.add_argument("--warmup-rounds", type=int, default=4, help="untimed rounds first")
-    cli.add_argument("--block", type=int, default=2, help="iterations per block")
+    cli.add_argument("--block", type=int, default=2, help="timed iterations per block")
     cli.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its ranks are killed")
     cli.add_argument("--quick", action="store_true", help="CNN, 2 ranks, 1 Gbit/s, rows " + ", ".join(QUICK_ROWS))
     cli.add_argument("--out", type=Path, default=RESULTS / "head_to_head.md", help="markdown; the PNG goes beside it")
@@ -624,7 +627,7 @@ def main(argv=None) -> None:
     environment = (f"{os.cpu_count()} CPU cores, shared by the ranks (one thread each) and by any other work on the"
                    f" machine (1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after);"
                    f" gloo over veth pairs and a bridge, tc-shaped; {args.warmup_rounds} warm-up and"
-                   f" {args.rounds} timed rounds of {args.block}-iteration blocks; total"
+                   f" {args.rounds} timed rounds of blocks of {UNTIMED_STEPS} untimed and {args.block} timed iterations; total"
                    f" {elapsed:.0f} s." + steal_note(steal_before, stolen_cpu_seconds(), elapsed))
     command = " ".join(["python -m benchmarks.head_to_head", *(sys.argv[1:] if argv is None else argv)])
     report = markdown(command, summaries, costs, failures, environment)
