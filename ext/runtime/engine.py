@@ -11,6 +11,7 @@ Lifecycle of one iteration:
    complete; the others are updated by step 1 of the next iteration.
 While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it
 (made again once a codec warming up has reached its steady state: gradsync.runtime.measure).
+Then the predictions follow the computation's measured speed (gradsync.runtime.compute_speed).
 """
 from __future__ import annotations
 
