@@ -18,7 +18,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from gradsync.compress.planning import LayoutPlan, predict_steady
+from gradsync.compress.planning import LayoutPlan, at_compute_scale, predict_steady
 from gradsync.cost import CostModel
 from gradsync.plan import Plan
 from gradsync.profile import ModelProfile
@@ -48,12 +48,12 @@ def replayed_prediction(record: dict) -> float:
     cost = CostModel(**record["cost"])  # its to_dict form
     ranks = [ModelProfile.from_dict(data) for data in record.get("rank_profiles", [])]
     combined = slowest_times(ranks) if ranks else None
-    layouts = {layout: (Plan.from_dict(entry["plan"]), timed_as(ModelProfile.from_dict(entry["wire"]), combined))
-               for layout, entry in record["layouts"].items()}
+    layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]),
+                                       timed_as(ModelProfile.from_dict(entry["wire"]), combined))
+                    for layout, entry in record["layouts"].items()}
     cycle = [tuple(rounds) for rounds in record["cycle"]]
     blocks = record.get("compute_scales") or [[1.0]]
-    at_scale = {scale: predict_steady({layout: LayoutPlan(plan, wire.scaled(scale) if scale != 1.0 else wire)
-                                       for layout, (plan, wire) in layouts.items()}, cycle, cost)
+    at_scale = {scale: predict_steady(at_compute_scale(layout_plans, scale), cycle, cost)
                 for scale in {scale for block in blocks for scale in block}}
     return statistics.median(statistics.fmean(at_scale[scale] for scale in block) for block in blocks)
 

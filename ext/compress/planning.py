@@ -47,6 +47,12 @@ def scale_byte_options(planner, options: dict, rate: float) -> dict:
     return scaled
 
 
+def at_compute_scale(layout_plans: dict[str, LayoutPlan], scale: float) -> dict[str, LayoutPlan]:
+    """The same plans, with their wire profiles' times multiplied by `scale` (a computation
+    `scale` times slower than when profiled: gradsync.runtime.compute_speed)."""
+    return {layout: replace(entry, wire=entry.wire.scaled(scale)) for layout, entry in layout_plans.items()}
+
+
 @dataclass(frozen=True)
 class StepPrediction:
     """A step's predicted iteration time and the computing thread's busy time in it (seconds)."""

@@ -97,8 +97,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     sync = GradSync(model, layout, channels, arguments.scheduler, arguments.planner_options, arguments.nonfinite,
                     arguments.broadcast_buffers, codec, writer)
     sync.check_optimizer(optimizer)
-    device = next(iter(layout.parameters.values())).device
-    cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=device)
+    cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=layout.device)
     if arguments.profile is not None:
         sync.install_plan(arguments.profile, cost)
     else:

@@ -29,7 +29,7 @@ from ..agreement import check_same_on_all_ranks
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
-from ..compress.planning import LayoutPlan, StepPrediction, plan_layouts, step_prediction
+from ..compress.planning import StepPrediction, at_compute_scale, plan_layouts, step_prediction
 from ..plan import BACKWARD, Plan
 from ..profile import ModelProfile
 from .channels import Channels
@@ -131,10 +131,8 @@ class GradSync:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
         the measured speed of the computation (gradsync.runtime.compute_speed); cached."""
         if rounds not in self.predictions:
-            scale = self.speed.scale
-            layout_plans = {layout: LayoutPlan(entry.plan, entry.wire.scaled(scale) if scale != 1.0 else entry.wire)
-                            for layout, entry in self.layout_plans.items()}
-            self.predictions[rounds] = step_prediction(layout_plans, rounds, self.cost)
+            scaled = at_compute_scale(self.layout_plans, self.speed.scale)
+            self.predictions[rounds] = step_prediction(scaled, rounds, self.cost)
         return self.predictions[rounds]
 
     @property
@@ -318,8 +316,7 @@ class GradSync:
     def _follow_compute_speed(self) -> None:
         """Rescale the predictions to the slowest rank's measured speed (a collective; every rank
         reaches it at the same iteration)."""
-        device = next(iter(self.layout.parameters.values())).device
-        ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, device)
+        ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, self.layout.device)
         if self.speed.rescale(ratio):
             self.predictions = {}
 

@@ -38,6 +38,11 @@ class ParameterLayout:
             raise ConfigError("model has no trainable parameters: nothing to synchronise")
         return cls(parameters, owners, modules)
 
+    @property
+    def device(self):
+        """The device of the (first) parameter: where the runtime's own tensors go."""
+        return next(iter(self.parameters.values())).device
+
     def profile(
         self,
         name: str,

@@ -55,7 +55,7 @@ class LayerTimer:
 
     def __init__(self, layout: ParameterLayout):
         self.layout = layout
-        self.device = next(iter(layout.parameters.values())).device
+        self.device = layout.device
         self.module_of = {name: m for m, names in layout.owners.items() for name in names}
         self.order: list[str] = []
         self.forward_ends: dict[str, float] = {}
@@ -437,7 +437,7 @@ class PlanTrials(Measurement):
         self.profile, self.cost = profile, cost
         self.alternatives = alternatives
         self.iterations = iterations
-        self.device = next(iter(sync.layout.parameters.values())).device
+        self.device = sync.layout.device
         self.last_end = _now(self.device)  # when the iteration being timed began
         self.medians: list[float] = []
         self.labels: list[str] = []  # the planners each trial's steady plans came from
