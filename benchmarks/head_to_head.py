@@ -14,6 +14,8 @@ ddp_buckets (the same buckets) run several blocks each per round, alternating: t
 overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job
 and given to every gradsync row.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
+Rows run only when named: mg_wfbp_overlap and optimal_merge_overlap, the plans with their waits
+deferred to the next forward (the planners' `overlap_forward`).
 
     .venv/bin/python -m benchmarks.head_to_head              # every setting (about 30 minutes)
     .venv/bin/python -m benchmarks.head_to_head --quick      # CNN, 2 ranks, 1 Gbit/s, four rows
@@ -121,11 +123,12 @@ WORKLOADS = {"cnn": Workload("CNN (small tensors)", 4, small_cnn, images),
 
 @dataclass(frozen=True)
 class Row:
-    """A torch DDP row (no `scheduler`) or a gradsync row (planner `scheduler`, optional compressor,
-    transport)."""
+    """A torch DDP row (no `scheduler`) or a gradsync row (planner `scheduler` and its `options`,
+    optional compressor, transport)."""
 
     label: str
     scheduler: str | None = None
+    options: dict = field(default_factory=dict)
     compressor: dict | None = None
     powersgd_hook: bool = False
     transport: str = "allreduce"
@@ -148,11 +151,16 @@ ROWS = {
     "ddp_powersgd": Row("torch DDP + PowerSGD hook", powersgd_hook=True),
     **{key: Row(f"gradsync {key}", scheduler=planner) for key, planner in PLANNER_ROWS.items()
        if key != "ddp_buckets"},
+    "mg_wfbp_overlap": Row("gradsync mg_wfbp overlapping the forward", scheduler="mg_wfbp",
+                           options={"overlap_forward": True}),
+    "optimal_merge_overlap": Row("gradsync optimal_merge overlapping the forward", scheduler="optimal_merge",
+                                 options={"overlap_forward": True}),
     "powersgd": Row("gradsync powersgd", scheduler="auto", compressor=low_rank("powersgd")),
     "acp_sgd": Row("gradsync acp_sgd", scheduler="auto", compressor=low_rank("acp_sgd")),
     "forest": Row("gradsync forest", scheduler="auto", transport="forest"),
 }
 TOPOLOGY_ROWS = ("forest",)  # rows that need a --topology run
+ON_REQUEST_ROWS = ("mg_wfbp_overlap", "optimal_merge_overlap")  # run only where --rows names them
 OVERHEAD_PAIR = (ROWS["ddp"].label, ROWS["ddp_buckets"].label)
 UNTIMED_STEPS = 1  # per block, before its clock starts (see the module docstring)
 OVERHEAD_PAIRS = 4  # blocks of each per round, alternating: the overhead's same-round samples
@@ -238,7 +246,7 @@ def make_variant(row: Row, base: nn.Module, cost, topology: dict | None) -> Vari
         return Variant(row.label, model, optimizer, gradsync=True)
     if row.is_gradsync:
         model, optimizer = gradsync.wrap(model, optimizer, scheduler=row.scheduler, compressor=row.compressor,
-                                         cost=cost)
+                                         cost=cost, **row.options)
         return Variant(row.label, model, optimizer, gradsync=True)
     if not row.powersgd_hook:
         return Variant(row.label, nn.parallel.DistributedDataParallel(model), optimizer, gradsync=False)
@@ -430,7 +438,8 @@ def speedup_target(value: float | None, baseline: str, goal: float) -> str:
 def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
     """The project's four targets, each with its measured value and verdict."""
     lines = []
-    plan_rows = [ROWS[key].label for key in PLANNER_ROWS]
+    plan_rows = [row.label for row in ROWS.values()
+                 if row.is_gradsync and row.compressor is None and row.transport == "allreduce"]
     for setting, results in summaries.items():
         if setting.model == "cnn" and setting.network == "1gbit":
             ratios = {label: speedup(results, label) for label in plan_rows if label in results}
@@ -598,7 +607,8 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--topology", help="a gradsync topology preset or file: per-pair rates instead of --rates")
     cli.add_argument("--inter-gbps", type=float, default=1.0, help="inter-machine Gbit/s of a cluster preset")
     cli.add_argument("--rows", nargs="+", choices=list(ROWS),
-                     help=f"default: all ({', '.join(TOPOLOGY_ROWS)} only with --topology)")
+                     help=f"default: all but {', '.join(ON_REQUEST_ROWS)} "
+                          f"({', '.join(TOPOLOGY_ROWS)} only with --topology)")
     cli.add_argument("--rounds", type=int, default=6, help="timed rounds (one block per row each)")
     cli.add_argument("--warmup-rounds", type=int, default=4, help="untimed rounds first")
     cli.add_argument("--block", type=int, default=2, help="timed iterations per block")
@@ -608,12 +618,18 @@ def parser() -> argparse.ArgumentParser:
     return cli
 
 
+def default_rows(topology: bool) -> list[str]:
+    """The rows run when --rows is not given: all but the on-request ones, and the topology rows
+    only on a topology."""
+    return [key for key in ROWS if (topology or key not in TOPOLOGY_ROWS) and key not in ON_REQUEST_ROWS]
+
+
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     if args.quick:
         args.models, args.world_sizes, args.rates, args.rows, args.rounds = ["cnn"], [2], ["1gbit"], list(QUICK_ROWS), 3
     if args.rows is None:
-        args.rows = [key for key in ROWS if args.topology or key not in TOPOLOGY_ROWS]
+        args.rows = default_rows(bool(args.topology))
     if not args.topology and set(args.rows) & set(TOPOLOGY_ROWS):
         sys.exit(f"head_to_head: rows {', '.join(TOPOLOGY_ROWS)} need --topology (a heterogeneous network)")
     if "ddp" not in args.rows:

@@ -37,6 +37,8 @@ class Op:
     layer by layer (us-byte eqs. 9–11).
     channel: ops on one channel run one after another in plan order.
     priority: the planner's priority (lower is more urgent); informative, plan order rules.
+    deferred: a backward op that gates the next forward layer by layer, as forward ops do, instead
+    of the optimizer step (us-byte Fig. 1: F_l depends on F_(l−1) and AR_l alone).
     """
 
     slices: tuple[Slice, ...]
@@ -45,6 +47,12 @@ class Op:
     priority: int = 0
     codec: str = "identity"
     transport: str = "allreduce"
+    deferred: bool = False
+
+    @property
+    def gates_forward(self) -> bool:
+        """Whether the op is waited for at the next forward of its layers (else before the step)."""
+        return self.phase == FORWARD or self.deferred
 
     def numel(self) -> int:
         return sum(s.length for s in self.slices)
@@ -74,6 +82,12 @@ class Plan:
         """The same plan with every op carried by `transport` (a runtime choice, not a planner's)."""
         return replace(self, ops=tuple(replace(op, transport=transport) for op in self.ops))
 
+    def with_deferred_waits(self) -> "Plan":
+        """The same plan with every backward op deferred: the next forward waits for each layer's
+        ops, the step for none (``overlap_forward`` in the options)."""
+        return replace(self, ops=tuple(replace(op, deferred=op.phase == BACKWARD) for op in self.ops),
+                       options={**self.options, "overlap_forward": True})
+
     def op_bytes(self, op: Op, profile: ModelProfile) -> int:
         tensors = profile.tensor_map()
         return sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)
@@ -91,6 +105,7 @@ class Plan:
                     "priority": op.priority,
                     "codec": op.codec,
                     "transport": op.transport,
+                    **({"deferred": True} if op.deferred else {}),
                 }
                 for op in self.ops
             ],
@@ -115,6 +130,7 @@ class Plan:
                         int(entry.get("priority", 0)),
                         entry.get("codec", "identity"),
                         entry.get("transport", "allreduce"),
+                        _flag(entry.get("deferred", False), "deferred"),
                     )
                 )
             except (KeyError, TypeError, ValueError) as exc:
@@ -155,6 +171,8 @@ class Plan:
                 raise ConfigError(f"{where}: 'phase' must be one of {PHASES}, got {op.phase!r}")
             if op.transport not in TRANSPORTS:
                 raise ConfigError(f"{where}: 'transport' must be one of {TRANSPORTS}, got {op.transport!r}")
+            if op.deferred and op.phase != BACKWARD:
+                raise ConfigError(f"{where}: only backward ops can be 'deferred' (forward ops always gate the forward)")
             if op.channel < 0:
                 raise ConfigError(f"{where}: 'channel' must be >= 0, got {op.channel}")
             sizes = set()
@@ -190,6 +208,12 @@ class Plan:
             elif op.channel in seen_forward:
                 raise ConfigError(f"plan op {index}: a backward op follows a forward op on channel {op.channel}")
         return self
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name!r} must be true or false, got {value!r}")
+    return value
 
 
 def ops_by_channel(ops: Iterable[Op]) -> dict[int, list[int]]:

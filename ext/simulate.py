@@ -7,10 +7,11 @@ its channel has started and once its channel runs fewer than the cost model's `o
 ops: with one (the papers' model), once the op before it has finished (eq. 3). An op lasts ``a``
 (start-up) and then transmits ``b·bytes`` of work; while k ops transmit at once each progresses at
 1/s(k) of its solo rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp
-eq. 9 and for one op the a + b·m of eq. 3. The next forward starts when the backward pass and all
-backward-phase ops are done and the update of the layers they carry (optimizer step, decoding) has
-run; a layer whose gradients travel in forward-phase ops is updated just before its forward, and
-its forward also waits for every forward-phase op carrying its gradients (us-byte eq. 11).
+eq. 9 and for one op the a + b·m of eq. 3. The next forward starts when the backward pass and the
+backward-phase ops that are not deferred are done and the update of the layers they carry
+(optimizer step, decoding) has run; a layer whose gradients travel in forward-phase (or deferred)
+ops is updated just before its forward, and its forward also waits for every such op carrying its
+gradients (us-byte eq. 11).
 The iteration time is the end of the next forward of layer L (us-byte eq. 12). The timeline also
 gives the computing thread's busy time (its work, slowed as below), the runtime's measured
 iteration time less its wait on communication.
@@ -167,8 +168,8 @@ def launch_positions(plan: Plan, layer_of: dict[str, int], layers: int) -> list[
 def thread_tasks(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], host: float) -> list[ThreadTask]:
     """The computing thread's iteration (module docstring): backward layers, each followed by the
     launches in its hook (`host` each, in plan order); the forward-phase ops' launches; the wait for
-    the backward-phase ops and the update of the layers they carry; each layer's forward, after the
-    forward-phase ops that carry it and its deferred update."""
+    the ops that gate the step and the update of the layers they carry; each layer's forward, after
+    the ops that gate it (forward-phase and deferred ones) and its deferred update."""
     last = len(profile.layers) - 1
     position = launch_positions(plan, layer_of, len(profile.layers))
     in_hook: dict[int, list[int]] = {}
@@ -179,15 +180,15 @@ def thread_tasks(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], ho
     for p in range(last + 1):
         tasks.append(ThreadTask(profile.layers[last - p].backward_time, span=(last - p, "backward")))
         tasks += [ThreadTask(host, launches=index) for index in in_hook.get(p, ())]
-    forward_ops = [index for index, op in enumerate(plan.ops) if op.phase == FORWARD]
-    tasks += [ThreadTask(host, launches=index) for index in forward_ops]
+    tasks += [ThreadTask(host, launches=index) for index, op in enumerate(plan.ops) if op.phase == FORWARD]
     carried: dict[int, set[int]] = {}
-    for index in forward_ops:
-        for s in plan.ops[index].slices:
-            carried.setdefault(layer_of[s.tensor], set()).add(index)
-    backward_ops = tuple(index for index, op in enumerate(plan.ops) if op.phase == BACKWARD)
+    for index, op in enumerate(plan.ops):
+        if op.gates_forward:
+            for s in op.slices:
+                carried.setdefault(layer_of[s.tensor], set()).add(index)
+    before_step = tuple(index for index, op in enumerate(plan.ops) if not op.gates_forward)
     tasks.append(ThreadTask(sum(l.update_time for i, l in enumerate(profile.layers) if i not in carried),
-                            gate=backward_ops))
+                            gate=before_step))
     for i, layer in enumerate(profile.layers):
         gate = tuple(sorted(carried.get(i, ())))
         if gate:

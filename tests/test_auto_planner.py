@@ -3,17 +3,22 @@ import pytest
 
 from gradsync import ConfigError, CostModel, planners, simulate
 from gradsync.profile import zoo
+from helpers import toy_profile
 
 CANDIDATES = [name for name in planners.names() if name != "auto"]
 
 
 def brute_force(profile, cost, tolerance):
-    times = {name: simulate(planners.get(name)(profile, cost), profile, cost).iteration_time for name in CANDIDATES}
-    best = CANDIDATES[0]
-    for name in CANDIDATES[1:]:
-        if times[name] < times[best] * (1 - tolerance):
-            best = name
-    return best, times
+    """The tolerance rule by hand over every planner's plan, each as made and then with its waits
+    deferred (planned again with ``overlap_forward``): (planner, deferred), the times by planner."""
+    variants = [(name, overlap) for name in CANDIDATES for overlap in (False, True)]
+    times = {variant: simulate(planners.get(variant[0])(profile, cost, overlap_forward=variant[1]), profile,
+                               cost).iteration_time for variant in variants}
+    best = variants[0]
+    for variant in variants[1:]:
+        if times[variant] < times[best] * (1 - tolerance):
+            best = variant
+    return best, {name: times[(name, False)] for name in CANDIDATES}
 
 
 @pytest.mark.parametrize("model, preset", [("resnet50", "asc-wfbp-10gbe"), ("bert_base", "us-byte-cluster1"),
@@ -21,10 +26,10 @@ def brute_force(profile, cost, tolerance):
 @pytest.mark.parametrize("tolerance", [0.0, 0.02, 0.3])
 def test_auto_keeps_the_simplest_plan_within_the_tolerance_of_the_fastest(model, preset, tolerance):
     profile, cost = zoo(model), CostModel.preset(preset, workers=8)
-    expected, times = brute_force(profile, cost, tolerance)
-    chosen = planners.get("auto")(profile, cost, tolerance=tolerance).options["chosen"]
-    assert chosen == expected
-    assert times[chosen] <= min(times.values()) / (1 - tolerance)
+    (expected, deferred), times = brute_force(profile, cost, tolerance)
+    plan = planners.get("auto")(profile, cost, tolerance=tolerance)
+    assert plan.options["chosen"] == expected and plan.options.get("overlap_forward", False) == deferred
+    assert times[expected] <= min(times.values()) / (1 - tolerance)
 
 
 def test_a_larger_tolerance_can_only_choose_an_earlier_planner():
@@ -66,3 +71,33 @@ def test_auto_refuses_when_no_candidate_fits_the_channels():
         planners.get("auto")(profile, cost, candidates=("bytescheduler",), channels=1)
     with pytest.raises(ConfigError, match="'channels' must be an integer >= 1"):
         planners.get("auto")(profile, cost, channels=0)
+
+
+def first_layers_last_profile():
+    """Two small input layers and a large output layer, whose all-reduce (20 ms at the cost below)
+    is still travelling when the backward pass ends: the small ones pass it (two ops per channel),
+    and with the waits deferred the input layers' forward (6 ms) runs while it travels."""
+    return toy_profile([(1000, 3, 2), (1000, 3, 2), (500_000, 3, 2)])
+
+
+def test_auto_defers_the_waits_where_that_is_faster_by_more_than_the_tolerance():
+    profile, cost = first_layers_last_profile(), CostModel(1e-4, 1e-8, gamma=2.0, ops_per_channel=2)
+    (expected, deferred), _ = brute_force(profile, cost, 0.02)
+    plan = planners.get("auto")(profile, cost)
+    assert deferred and plan.options["chosen"] == expected and plan.options["overlap_forward"] is True
+    assert all(op.deferred for op in plan.ops if op.phase == "backward")
+    made = planners.get(expected)(profile, cost)
+    assert simulate(plan, profile, cost).iteration_time < 0.98 * simulate(made, profile, cost).iteration_time
+    assert "overlap_forward" not in planners.get("auto")(profile, cost, overlap_forward=False).options
+    assert not any(op.deferred for op in planners.get("auto")(profile, cost, overlap_forward=False).ops)
+
+
+@pytest.mark.parametrize("name", CANDIDATES)
+def test_every_planner_defers_its_waits_on_request_and_refuses_a_non_boolean(name):
+    profile, cost = first_layers_last_profile(), CostModel(1e-4, 1e-9)
+    made, deferred = (planners.get(name)(profile, cost, overlap_forward=flag) for flag in (False, True))
+    assert deferred == made.with_deferred_waits() and not any(op.deferred for op in made.ops)
+    with pytest.raises(ConfigError, match="overlap_forward"):
+        planners.get(name)(profile, cost, overlap_forward="yes")
+    with pytest.raises(ConfigError, match="overlap_forward"):
+        planners.get("auto")(profile, cost, overlap_forward=1)

@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from benchmarks.head_to_head import (COMPUTE_ONLY, OVERHEAD_PAIRS, ROWS, RowResult, Setting, paired_ratio,
-                                     round_order, steal_note, stolen_cpu_seconds, summarise, targets)
+from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
+                                     Setting, default_rows, paired_ratio, round_order, steal_note, stolen_cpu_seconds,
+                                     summarise, targets)
 
 DDP, BUCKETS = ROWS["ddp"].label, ROWS["ddp_buckets"].label
 
@@ -102,3 +103,17 @@ def test_a_target_whose_rows_did_not_run_is_reported_as_not_measured():
     [cnn_line, simulator_line] = targets({Setting("cnn", 2, "1gbit"): results})
     assert "best non-compressing plan against torch DDP: not measured in this run" in cnn_line
     assert "over 0 gradsync rows: not measured (target ≤ 5%): not measured in this run" in simulator_line
+
+
+def test_the_best_non_compressing_plan_counts_every_uncompressed_gradsync_row_that_ran():
+    overlap, acp = ROWS["mg_wfbp_overlap"].label, ROWS["acp_sgd"].label
+    results = summarise([rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [1.2] * 3, BUCKETS: [1.1] * 3,
+                                      overlap: [1.0] * 3, acp: [0.5] * 3})])
+    [line, _, _] = targets({Setting("cnn", 2, "1gbit"): results})
+    assert f"best non-compressing plan ({overlap}) 1.20× torch DDP" in line and "reached" in line
+    assert ROWS["mg_wfbp_overlap"].options == {"overlap_forward": True}
+
+
+def test_on_request_rows_run_only_when_named_and_topology_rows_only_on_a_topology():
+    assert set(default_rows(topology=True)) == set(ROWS) - set(ON_REQUEST_ROWS)
+    assert set(default_rows(topology=False)) == set(ROWS) - set(ON_REQUEST_ROWS) - set(TOPOLOGY_ROWS)

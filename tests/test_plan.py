@@ -41,6 +41,7 @@ def test_hash_changes_with_the_ops():
         ((Op((Slice("t0", 0, 10),), phase=FORWARD), Op((Slice("t1", 0, 6),))), "backward op follows"),
         ((Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), phase="later"),), "phase"),
         ((Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), transport="carrier-pigeon"),), "transport"),
+        ((Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), phase=FORWARD, deferred=True),), "only backward ops"),
     ],
 )
 def test_broken_plans_are_rejected(ops, message):
@@ -57,3 +58,17 @@ def test_mixed_element_sizes_never_share_an_op():
 def test_malformed_json():
     with pytest.raises(ConfigError):
         Plan.from_json('{"ops": [{"slices": [["t0", 0]]}]}')
+    with pytest.raises(ConfigError, match="'deferred' must be true or false"):
+        Plan.from_json('{"ops": [{"slices": [["t0", 0, 10]], "deferred": "yes"}]}')
+
+
+def test_deferring_the_waits_marks_every_backward_op_and_only_those():
+    made = plan_of(Op((Slice("t1", 0, 6),)), Op((Slice("t0", 0, 10),), phase=FORWARD)).validate(PROFILE)
+    deferred = made.with_deferred_waits().validate(PROFILE)
+    assert [op.deferred for op in deferred.ops] == [True, False]
+    assert [op.gates_forward for op in made.ops] == [False, True]
+    assert all(op.gates_forward for op in deferred.ops)
+    assert deferred.options["overlap_forward"] is True and deferred.hash != made.hash
+    again = Plan.from_json(deferred.to_json())
+    assert again == deferred and again.hash == deferred.hash
+    assert "deferred" not in made.to_json()  # plans without deferred ops keep their JSON and hash

@@ -145,3 +145,41 @@ def test_deferred_updates_reach_parameters_read_without_their_modules_forward():
         for name, (error, forward_ops) in errors.items():
             assert forward_ops > 0, name  # the plan does defer updates into the next forward
             assert error < 1e-5, (name, error)
+
+
+def deferred_waits_train_like_ddp(rank, world_size, schedulers):
+    """With ``overlap_forward`` the step waits for no op: every module's update is deferred into
+    the next forward (with the learning rate of the step that owed it), and the parameters still
+    follow DDP's. Per scheduler: the distance to DDP and the fewest modules left pending by a step."""
+    results = {}
+    for name in schedulers:
+        model, reference = _models(seed=3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = gradsync.wrap(model, optimizer, scheduler=name, profile=synthetic_profile(model),
+                                         cost=COST, overlap_forward=True)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+        schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (optimizer, ref_optimizer)]
+        sync, fewest_pending = attached(model), None
+        for step in range(10):
+            optimizer.zero_grad(set_to_none=False)
+            _loss(model, rank, step).backward()
+            optimizer.step()
+            pending = len(sync.pending)
+            fewest_pending = pending if fewest_pending is None else min(fewest_pending, pending)
+            ref_optimizer.zero_grad(set_to_none=False)
+            _loss(reference, rank, step).backward()
+            ref_optimizer.step()
+            for schedule in schedules:
+                schedule.step()
+        optimizer.synchronize()
+        results[name] = (max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())),
+                         fewest_pending, len(sync.layout.owners))
+        sync.detach()
+    return results
+
+
+def test_deferred_waits_leave_every_update_to_the_next_forward_and_train_like_ddp():
+    for results in run_local(deferred_waits_train_like_ddp, 2, ("optimal_merge", "asc_wfbp")):
+        for name, (error, fewest_pending, owners) in results.items():
+            assert fewest_pending == owners, (name, fewest_pending, owners)
+            assert error < 1e-5, (name, error)

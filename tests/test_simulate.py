@@ -57,6 +57,23 @@ def test_forward_phase_gates_each_layer_us_byte_eq11():
     assert simulate(reversed_, profile, COST).iteration_time == pytest.approx(16 * MS)
 
 
+def test_a_deferred_op_gates_the_forward_of_its_layers_not_the_step():
+    # backward: layer 1 0→2 (t1 ready), layer 0 2→4 (t0 ready); updates 0.4 ms (t0) and 1.6 ms (t1)
+    profile = toy_profile([(1000, 1, 2), (4000, 2, 2)]).with_update_time(2 * MS)
+    made = Plan((Op((Slice("t0", 0, 1000),)), Op((Slice("t1", 0, 4000),))))
+    # t0 4→9, t1 (16000 B) 9→26 on one channel; at the step: updates 26→28, forward 28→29, 29→31
+    assert simulate(made, profile, COST).iteration_time == pytest.approx(31 * MS)
+    # deferred: layer 0 waits for t0 only, is updated 9→9.4 and runs 9.4→10.4 while t1 travels;
+    # layer 1 waits for t1: updated 26→27.6, runs 27.6→29.6
+    timeline = simulate(made.with_deferred_waits(), profile, COST)
+    assert timeline.iteration_time == pytest.approx(29.6 * MS)
+    assert [span.start for span in timeline.layers if span.kind == "forward"] == pytest.approx([9.4 * MS, 27.6 * MS])
+    # backward order: t1 2→19, t0 19→24; deferring moves the update of layer 1 after layer 0's forward
+    backward_order = Plan((Op((Slice("t1", 0, 4000),)), Op((Slice("t0", 0, 1000),))))
+    assert simulate(backward_order, profile, COST).iteration_time == pytest.approx(29 * MS)  # 24+2+1+2
+    assert simulate(backward_order.with_deferred_waits(), profile, COST).iteration_time == pytest.approx(29 * MS)
+
+
 def test_two_simultaneous_allreduces_follow_eq9():
     layer = LayerProfile("l", (TensorSpec("x", 1000), TensorSpec("y", 1000)), 0.0, 2 * MS)
     profile = ModelProfile("m", (layer,))

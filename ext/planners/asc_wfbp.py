@@ -53,7 +53,7 @@ from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile
 from ..simulate import simulate
-from .options import positive_int, reject_unknown
+from .options import overlapping, positive_int, reject_unknown
 
 NORMAL = "normal"
 MERGED = "merged"
@@ -179,9 +179,10 @@ def plan_from_schedule(schedule: Schedule, profile: ModelProfile, channels: int)
     return Plan(tuple(ops), "asc_wfbp", {"channels": channels})
 
 
-def plan(profile: ModelProfile, cost: CostModel, channels: int = 2, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, channels: int = 2, overlap_forward: bool = False,
+         **options) -> Plan:
     """The fastest simulated plan of Algorithm 1 over 1..`channels` channels."""
-    reject_unknown("asc_wfbp", options, ("channels",))
+    reject_unknown("asc_wfbp", options, ("channels", "overlap_forward"))
     positive_int("asc_wfbp", "channels", channels)
     best, best_time = None, float("inf")
     # L ops at most, so more than L channels are never all busy and change nothing
@@ -190,4 +191,4 @@ def plan(profile: ModelProfile, cost: CostModel, channels: int = 2, **options) -
         time = simulate(candidate, profile, cost).iteration_time
         if time < best_time:
             best, best_time = candidate, time
-    return best
+    return overlapping("asc_wfbp", best, overlap_forward)

@@ -15,14 +15,18 @@ DEFAULT_TOLERANCE = 0.02
 
 
 def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | None = None,
-         tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, **options) -> Plan:
+         tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, overlap_forward: bool | None = None,
+         **options) -> Plan:
     """The candidate plan with the smallest simulated iteration time, where a later candidate
     (the registry lists simpler planners first) replaces the best so far only when it is faster by
     more than `tolerance` of that time: the simulator charges an op's host time only as a mean
     (the cost model's `host`), and not what updates in the forward pass cost the runtime, so a
     smaller predicted gain is not worth a more complex plan.
     `channels`: the process groups the runtime has; passed to candidates that take it, and a
-    candidate plan needing more is left out."""
+    candidate plan needing more is left out.
+    `overlap_forward`: passed to the candidates; None: each candidate's plan as made, then the
+    same plan with its waits deferred to the next forward (``Plan.with_deferred_waits``), which
+    costs updates in the forward that the simulator does not see, so it too must win by `tolerance`."""
     from . import get, names, option_names
 
     reject_unknown("auto", options)
@@ -35,15 +39,21 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
             raise unknown_name("auto candidate", name, pool)
     if channels is not None:
         positive_int("auto", "channels", channels)
+    if overlap_forward is not None and not isinstance(overlap_forward, bool):
+        raise ConfigError(f"auto: 'overlap_forward' must be true, false or null, got {overlap_forward!r}")
     best: tuple[float, Plan] | None = None
     for name in candidates or pool:
         fitted = {"channels": channels} if channels is not None and "channels" in option_names(name) else {}
+        if overlap_forward is not None:
+            fitted["overlap_forward"] = overlap_forward
         candidate = get(name)(profile, cost, **fitted)
         if channels is not None and candidate.channels > channels:
             continue
-        time = simulate(candidate, profile, cost).iteration_time
-        if best is None or time < best[0] * (1 - tolerance):
-            best = (time, candidate)
+        variants = (candidate,) if overlap_forward is not None else (candidate, candidate.with_deferred_waits())
+        for variant in variants:
+            time = simulate(variant, profile, cost).iteration_time
+            if best is None or time < best[0] * (1 - tolerance):
+                best = (time, variant)
     if best is None:
         raise ConfigError(f"auto: every candidate plan needs more than {channels} channel(s) (raise 'channels')")
     chosen = best[1]

@@ -18,7 +18,7 @@ from ..cost import CostModel
 from ..plan import BACKWARD, FORWARD, Op, Plan
 from ..profile import ModelProfile
 from ..simulate import InFlight
-from .options import positive_int, reject_unknown
+from .options import overlapping, positive_int, reject_unknown
 from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
 
 # Partitions in flight, as credit size 2 in us-byte Fig. 3b and §6.7 (ByteScheduler's own credit
@@ -53,10 +53,11 @@ def plan(
     cost: CostModel,
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
     credit: int = DEFAULT_CREDIT,
+    overlap_forward: bool = False,
     **options,
 ) -> Plan:
     """ByteScheduler's launch order as a plan: one op per basic block, channel = credit slot."""
-    reject_unknown("bytescheduler", options, ("partition_bytes", "credit"))
+    reject_unknown("bytescheduler", options, ("partition_bytes", "credit", "overlap_forward"))
     positive_int("bytescheduler", "partition_bytes", partition_bytes)
     positive_int("bytescheduler", "credit", credit)
     backward_end = profile.backward_time
@@ -69,7 +70,8 @@ def plan(
         )
         for launch in emulate(profile, cost, partition_bytes, credit)
     )
-    return Plan(ops, "bytescheduler", {"partition_bytes": partition_bytes, "credit": credit})
+    blocks = Plan(ops, "bytescheduler", {"partition_bytes": partition_bytes, "credit": credit})
+    return overlapping("bytescheduler", blocks, overlap_forward)
 
 
 def blocks_by_priority(profile: ModelProfile, partition_bytes: int) -> list[Block]:

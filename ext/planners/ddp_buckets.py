@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile
-from .options import positive_int, reject_unknown
+from .options import overlapping, positive_int, reject_unknown
 from .wfbp import backward_order
 
 MIB = 1 << 20
@@ -20,9 +20,10 @@ def plan(
     cost: CostModel,
     bucket_cap_bytes: int = 25 * MIB,
     first_bucket_bytes: int = 1 * MIB,
+    overlap_forward: bool = False,
     **options,
 ) -> Plan:
-    reject_unknown("ddp", options, ("bucket_cap_bytes", "first_bucket_bytes"))
+    reject_unknown("ddp", options, ("bucket_cap_bytes", "first_bucket_bytes", "overlap_forward"))
     positive_int("ddp", "bucket_cap_bytes", bucket_cap_bytes)
     positive_int("ddp", "first_bucket_bytes", first_bucket_bytes)
     open_buckets: dict[int, list] = {}  # element size -> tensors of the bucket being filled
@@ -45,4 +46,5 @@ def plan(
             close(size)
     for size in list(open_buckets):
         close(size)
-    return Plan(tuple(ops), "ddp", {"bucket_cap_bytes": bucket_cap_bytes, "first_bucket_bytes": first_bucket_bytes})
+    buckets = Plan(tuple(ops), "ddp", {"bucket_cap_bytes": bucket_cap_bytes, "first_bucket_bytes": first_bucket_bytes})
+    return overlapping("ddp", buckets, overlap_forward)

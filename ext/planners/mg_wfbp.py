@@ -28,7 +28,7 @@ from typing import Sequence
 from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile, TensorSpec
-from .options import reject_unknown
+from .options import overlapping, reject_unknown
 from .wfbp import backward_order
 
 
@@ -71,9 +71,9 @@ def plan_from_groups(groups: Sequence[Sequence[MergeUnit]], planner: str) -> Pla
     return Plan(ops, planner)
 
 
-def plan(profile: ModelProfile, cost: CostModel, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, **options) -> Plan:
     """One op per run of merged-gradient layers found by Algorithm 1, in backward order."""
-    reject_unknown("mg_wfbp", options)
+    reject_unknown("mg_wfbp", options, ("overlap_forward",))
     units = merge_units(profile)[::-1]  # paper order: index 0 is layer 1, the input side
     merged = merged_gradient_layers(units, cost)
     groups: list[list[MergeUnit]] = []
@@ -83,7 +83,7 @@ def plan(profile: ModelProfile, cost: CostModel, **options) -> Plan:
         if index not in merged:  # layer 1 never is, so the last group closes
             groups.append(current)
             current = []
-    return plan_from_groups(groups, "mg_wfbp")
+    return overlapping("mg_wfbp", plan_from_groups(groups, "mg_wfbp"), overlap_forward)
 
 
 def merged_gradient_layers(units: Sequence[MergeUnit], cost: CostModel) -> set[int]:

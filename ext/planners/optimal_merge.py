@@ -35,15 +35,16 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..profile import ModelProfile
 from .mg_wfbp import MergeUnit, merge_units, plan_from_groups
-from .options import reject_unknown
+from .options import overlapping, reject_unknown
 
 TIE_TOLERANCE = 1e-12  # relative: end times this close count as equal, and fewer ops win
 
 
-def plan(profile: ModelProfile, cost: CostModel, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, **options) -> Plan:
     """The fewest ops among the partitions with the earliest last all-reduce, in backward order."""
-    reject_unknown("optimal_merge", options)
-    return plan_from_groups(optimal_groups(merge_units(profile), cost), "optimal_merge")
+    reject_unknown("optimal_merge", options, ("overlap_forward",))
+    groups = plan_from_groups(optimal_groups(merge_units(profile), cost), "optimal_merge")
+    return overlapping("optimal_merge", groups, overlap_forward)
 
 
 class State(NamedTuple):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..cost import CostModel
 from ..plan import BACKWARD, FORWARD, Op, Plan
 from ..profile import ModelProfile
-from .options import positive_int, reject_unknown
+from .options import overlapping, positive_int, reject_unknown
 from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
 
 
@@ -60,14 +60,16 @@ class Candidate:
     time: float
 
 
-def plan(profile: ModelProfile, cost: CostModel, partition_bytes: int = DEFAULT_PARTITION_BYTES, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, partition_bytes: int = DEFAULT_PARTITION_BYTES,
+         overlap_forward: bool = False, **options) -> Plan:
     """US-Byte's plan: Algorithm 2's P1 and Algorithm 1's phase-one ops, then phase two by Theorem 1;
     the WFBP-equivalent point of the same search space where that is faster (see `wfbp_equivalent`)."""
-    reject_unknown("us_byte", options, ("partition_bytes",))
+    reject_unknown("us_byte", options, ("partition_bytes", "overlap_forward"))
     positive_int("us_byte", "partition_bytes", partition_bytes)
     greedy = greedy_priorities(gradient_groups(profile, partition_bytes), profile, cost)
     best = min(greedy, wfbp_equivalent(profile, cost), key=lambda candidate: candidate.time)
-    return Plan(tuple(candidate_ops(best)), "us_byte", {"partition_bytes": partition_bytes})
+    ordered = Plan(tuple(candidate_ops(best)), "us_byte", {"partition_bytes": partition_bytes})
+    return overlapping("us_byte", ordered, overlap_forward)
 
 
 def candidate_ops(candidate: Candidate) -> list[Op]:

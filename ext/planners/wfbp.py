@@ -5,17 +5,17 @@ from __future__ import annotations
 from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile
-from .options import reject_unknown
+from .options import overlapping, reject_unknown
 
 
-def plan(profile: ModelProfile, cost: CostModel, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, **options) -> Plan:
     """One op per tensor in backward order (output layer first)."""
-    reject_unknown("wfbp", options)
+    reject_unknown("wfbp", options, ("overlap_forward",))
     ops = tuple(
         Op((whole(tensor),), priority=index)
         for index, (layer_index, tensor) in enumerate(backward_order(profile))
     )
-    return Plan(ops, "wfbp")
+    return overlapping("wfbp", Plan(ops, "wfbp"), overlap_forward)
 
 
 def backward_order(profile: ModelProfile):

@@ -7,8 +7,8 @@ Lifecycle of one iteration:
 2. backward: each parameter's post-accumulate-grad hook marks it ready; ops launch in plan order
    per channel as their slices become ready; when the backward pass ends, the remaining
    (forward-phase) ops launch;
-3. ``optimizer.step()``: waits for the backward-phase ops and updates the parameters whose ops are
-   complete; the others are updated by step 1 of the next iteration.
+3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
+   parameters whose ops are complete; the others are updated by step 1 of the next iteration.
 While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it
 (made again once a codec warming up has reached its steady state: gradsync.runtime.measure).
 Then the predictions follow the computation's measured speed (gradsync.runtime.compute_speed).
@@ -30,7 +30,7 @@ from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
 from ..compress.planning import StepPrediction, at_compute_scale, plan_layouts, step_prediction
-from ..plan import BACKWARD, Plan
+from ..plan import Plan
 from ..profile import ModelProfile
 from .channels import Channels
 from .compute_speed import ComputeSpeed, slowest_over_ranks
@@ -221,7 +221,7 @@ class GradSync:
             )
         self.backward_synced = False
         executor = self.executor
-        self._wait(executor, executor.wait_all if self.nonfinite == "skip" else lambda: executor.wait_phase(BACKWARD))
+        self._wait(executor, executor.wait_all if self.nonfinite == "skip" else executor.wait_before_step)
         if executor.skip_step:
             self._finish_iteration()
             return None

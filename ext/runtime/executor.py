@@ -33,6 +33,7 @@ class _OpState:
     slices: list[tuple[str, int, int, int]]  # (tensor, offset in its wire, length, position in buffer)
     tensors: list[str]  # tensors carried, in flag order
     phase: str
+    gates_forward: bool  # waited for at the next forward of its layers, not before the step
     channel: int
     buffer: torch.Tensor
     views: list[torch.Tensor]  # the buffer's span of each slice
@@ -90,7 +91,7 @@ class PlanExecutor:
         dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
         buffer = torch.zeros(position + len(tensors) + 1, dtype=dtype, device=device)  # + flags
         views = [buffer[position:position + length] for _, _, length, position in slices]
-        return _OpState(slices, tensors, op.phase, op.channel, buffer, views)
+        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views)
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
@@ -225,9 +226,10 @@ class PlanExecutor:
             return
         raise NonFiniteGradient(f"non-finite averaged gradient in parameter(s) {sorted(set(bad))}")
 
-    def wait_phase(self, phase: str) -> None:
+    def wait_before_step(self) -> None:
+        """Wait for the ops the optimizer step waits for (those that do not gate the forward)."""
         for index, state in enumerate(self.ops):
-            if state.phase == phase:
+            if not state.gates_forward:
                 self.wait(index)
 
     def wait_all(self) -> None:
