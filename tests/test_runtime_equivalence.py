@@ -149,8 +149,10 @@ def test_deferred_updates_reach_parameters_read_without_their_modules_forward():
 
 def deferred_waits_train_like_ddp(rank, world_size, schedulers):
     """With ``overlap_forward`` the step waits for no op: every module's update is deferred into
-    the next forward (with the learning rate of the step that owed it), and the parameters still
-    follow DDP's. Per scheduler: the distance to DDP and the fewest modules left pending by a step."""
+    the next forward (with the learning rate of the step that owed it), the modules whose ops are
+    done updated together, and the parameters still follow DDP's. Per scheduler: the distance to
+    DDP, the fewest modules left pending by a step, the modules, the most optimizer calls in an
+    iteration and the plan's ops."""
     results = {}
     for name in schedulers:
         model, reference = _models(seed=3)
@@ -159,9 +161,11 @@ def deferred_waits_train_like_ddp(rank, world_size, schedulers):
                                          cost=COST, overlap_forward=True)
         ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
         schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (optimizer, ref_optimizer)]
-        sync, fewest_pending = attached(model), None
+        sync, fewest_pending, calls, most_calls = attached(model), None, [0], 0
+        optimizer.register_step_post_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))  # the wrapped one's
         for step in range(10):
             optimizer.zero_grad(set_to_none=False)
+            most_calls, calls[0] = max(most_calls, calls[0]), 0
             _loss(model, rank, step).backward()
             optimizer.step()
             pending = len(sync.pending)
@@ -173,13 +177,15 @@ def deferred_waits_train_like_ddp(rank, world_size, schedulers):
                 schedule.step()
         optimizer.synchronize()
         results[name] = (max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())),
-                         fewest_pending, len(sync.layout.owners))
+                         fewest_pending, len(sync.layout.owners), most_calls, len(sync.plan.ops))
         sync.detach()
     return results
 
 
 def test_deferred_waits_leave_every_update_to_the_next_forward_and_train_like_ddp():
     for results in run_local(deferred_waits_train_like_ddp, 2, ("optimal_merge", "asc_wfbp")):
-        for name, (error, fewest_pending, owners) in results.items():
+        for name, (error, fewest_pending, owners, most_calls, ops) in results.items():
             assert fewest_pending == owners, (name, fewest_pending, owners)
+            assert 1 <= most_calls <= ops, (name, most_calls, ops)  # one call per module would be `owners`
             assert error < 1e-5, (name, error)
+        assert results["optimal_merge"][4] < results["optimal_merge"][2]  # its ops carry several modules

@@ -92,7 +92,7 @@ class GradSync:
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
         self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
-        self.layer_subsets: dict[str, ParameterSubset] = {}
+        self.subsets: dict[tuple[str, ...], ParameterSubset] = {}  # owner modules -> their parameters
         self.iteration_started = time.perf_counter()
         self.forward_started: float | None = None  # the iteration's first forward
         self.comm_wait = 0.0
@@ -148,8 +148,18 @@ class GradSync:
     def check_optimizer(self, optimizer) -> None:
         self.layout.check_optimizer(optimizer)
         self.optimizer = optimizer
-        self.layer_subsets = {m: ParameterSubset(optimizer, [self.layout.parameters[n] for n in names])
-                              for m, names in self.layout.owners.items()}
+        self.subsets = {}  # made again on the optimizer's current groups
+
+    def _subset(self, modules: tuple[str, ...]) -> ParameterSubset:
+        """The parameters of the owner `modules` (cached: the same sets recur every iteration)."""
+        if modules not in self.subsets:
+            parameters = [self.layout.parameters[n] for m in modules for n in self.layout.owners[m]]
+            self.subsets[modules] = ParameterSubset(self.optimizer, parameters)
+        return self.subsets[modules]
+
+    def _complete(self, executor: PlanExecutor, module_name: str) -> bool:
+        """Whether every op carrying the module's gradients is done."""
+        return all(executor.complete(n) for n in self.layout.owners[module_name])
 
     # -- hooks -------------------------------------------------------------------------------------
     def _hook_for(self, name: str):
@@ -225,20 +235,22 @@ class GradSync:
         if executor.skip_step:
             self._finish_iteration()
             return None
-        incomplete = [m for m, names in self.layout.owners.items() if not all(executor.complete(n) for n in names)]
+        complete = tuple(m for m in self.layout.owners if self._complete(executor, m))
         with self._updating():
-            if not incomplete:
+            if len(complete) == len(self.layout.owners):
                 optimizer.step()
             else:
                 hyper = hyperparameters(optimizer)
-                complete = [p for m, names in self.layout.owners.items() if m not in incomplete
-                            for p in (self.layout.parameters[n] for n in names)]
-                ParameterSubset(optimizer, complete).step(optimizer)
-                self.pending = {m: hyper for m in incomplete}
+                if complete:
+                    self._subset(complete).step(optimizer)
+                self.pending = {m: hyper for m in self.layout.owners if m not in complete}
         self._finish_iteration()
         return None
 
     def _apply_deferred(self, module_name: str) -> None:
+        """Wait for the ops of a pending module and update it (nothing if an earlier call did)."""
+        if module_name not in self.pending:
+            return
         started, executor = time.perf_counter(), self.executor
 
         def wait_for_the_modules_ops():
@@ -246,11 +258,14 @@ class GradSync:
                 executor.wait(index)
 
         self._wait(executor, wait_for_the_modules_ops)
-        hyper = self.pending.pop(module_name)
+        # with it, every pending module whose ops are done by now: one optimizer call for an op's modules
+        ready = tuple(m for m in self.pending if m == module_name or self._complete(executor, m))
         with self._updating():
-            self.layer_subsets[module_name].step(self.optimizer, hyper)
-            if module_name in self.zero_after:
-                _zero(self.layout.owners[module_name], self.layout.parameters, self.zero_after.pop(module_name))
+            self._subset(ready).step(self.optimizer, self.pending[module_name])
+            for name in ready:
+                del self.pending[name]
+                if name in self.zero_after:
+                    _zero(self.layout.owners[name], self.layout.parameters, self.zero_after.pop(name))
         if self.measurement is not None:  # neither the wait nor the update is the layer's forward
             self.measurement.exclude(time.perf_counter() - started)
 
