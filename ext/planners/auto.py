@@ -15,7 +15,7 @@ DEFAULT_TOLERANCE = 0.02
 
 
 def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | None = None,
-         tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, overlap_forward: bool | None = None,
+         tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, overlap_forward: bool | None = False,
          **options) -> Plan:
     """The candidate plan with the smallest simulated iteration time, where a later candidate
     (the registry lists simpler planners first) replaces the best so far only when it is faster by
@@ -25,8 +25,10 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
     `channels`: the process groups the runtime has; passed to candidates that take it, and a
     candidate plan needing more is left out.
     `overlap_forward`: passed to the candidates; None: each candidate's plan as made, then the
-    same plan with its waits deferred to the next forward (``Plan.with_deferred_waits``), which
-    costs updates in the forward that the simulator does not see, so it too must win by `tolerance`."""
+    same plan with its waits deferred to the next forward (``Plan.with_deferred_waits``), which must
+    also win by `tolerance`. Not the default: on the emulated cluster the deferred plans ran 5.8%
+    slower than the same plans waited for at the step (median over 16 pairs) where the simulator
+    predicted them about 5% faster (benchmarks/REPRODUCTION.md)."""
     from . import get, names, option_names
 
     reject_unknown("auto", options)
