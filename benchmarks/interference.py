@@ -12,7 +12,9 @@ wrap-time probe's σ, per model, number of ranks and NIC rate:
 - compute beside traffic: the same pass, started right after launching enough back-to-back
   all-reduces of the model's gradient size (asynchronous, on their own process group) to outlast
   it, median; the traffic is then waited for;
-- slowdown = beside / alone, the slowest rank's;
+- slowdown = beside / alone, the slowest rank's; and the same for the forward and the backward
+  pass apart (each pass's medians: a forward beside traffic is what a plan that defers its waits
+  into the next forward runs);
 - probe σ: `measure_cost`'s compute_slowdown on the same job.
 
     .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 3 minutes)
@@ -42,7 +44,8 @@ TRAFFIC_MARGIN = 1.5  # the traffic launched lasts this many times the compute a
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
-    """Median compute time alone and beside traffic on this rank (seconds), and the traffic's size."""
+    """Median compute time alone and beside traffic on this rank (seconds; whole passes, and the
+    forward and backward pass apart), and the traffic's size."""
     torch.manual_seed(0)
     workload = WORKLOADS[job["model"]]
     model = workload.build_model()
@@ -52,11 +55,14 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     group = dist.new_group(backend="gloo")
     gradient = torch.zeros(sum(p.numel() for p in model.parameters()))  # zeros: sums stay finite
 
-    def compute() -> float:
-        started = time.perf_counter()
+    def compute() -> tuple[float, float]:
+        """The forward's and the backward's seconds."""
         model.zero_grad()
-        F.cross_entropy(model(inputs), labels).backward()
-        return time.perf_counter() - started
+        started = time.perf_counter()
+        loss = F.cross_entropy(model(inputs), labels)
+        forward_end = time.perf_counter()
+        loss.backward()
+        return forward_end - started, time.perf_counter() - forward_end
 
     def allreduce() -> float:
         started = time.perf_counter()
@@ -65,7 +71,8 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
 
     for _ in range(2):  # warm-up
         compute(), allreduce()
-    alone = statistics.median(compute() for _ in range(job["repeats"]))
+    passes_alone = [compute() for _ in range(job["repeats"])]
+    alone = statistics.median(sum(passes) for passes in passes_alone)
     one_op = statistics.median(allreduce() for _ in range(job["repeats"]))
     slowest = torch.tensor([alone, one_op], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the same numbers, so the same ops, on every rank
@@ -83,8 +90,12 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
         probe = measure_cost(channels, gradient.numel() * gradient.element_size()).compute_slowdown
     finally:
         channels.destroy()
-    return {"alone": alone, "beside": statistics.median(beside), "ops": ops, "op_seconds": slowest[1].item(),
-            "probe": probe}
+    return {"alone": alone, "beside": statistics.median(sum(passes) for passes in beside),
+            "forward_alone": statistics.median(f for f, _ in passes_alone),
+            "forward_beside": statistics.median(f for f, _ in beside),
+            "backward_alone": statistics.median(b for _, b in passes_alone),
+            "backward_beside": statistics.median(b for _, b in beside),
+            "ops": ops, "op_seconds": slowest[1].item(), "probe": probe}
 
 
 def run(args) -> list[str]:
@@ -96,11 +107,12 @@ def run(args) -> list[str]:
                     print(f"running: {model}, {world_size} ranks, {rate}", flush=True)
                     reports = launch("benchmarks.interference:rank_main", world_size,
                                      {"model": model, "repeats": args.repeats}, timeout=args.timeout)
-                    alone = max(r["alone"] for r in reports)
-                    beside = max(r["beside"] for r in reports)
+                    alone, beside = (max(r[key] for r in reports) for key in ("alone", "beside"))
+                    passes = [max(r[f"{kind}_beside"] for r in reports) / max(r[f"{kind}_alone"] for r in reports)
+                              for kind in ("forward", "backward")]
                     rows.append(f"| {model} | {world_size} | {rate} | {alone * 1e3:.1f} | {beside * 1e3:.1f} | "
-                                f"{beside / alone:.2f}× | {reports[0]['probe']:.2f}× |"
-                                f" {reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
+                                f"{beside / alone:.2f}× | {passes[0]:.2f}× | {passes[1]:.2f}× | "
+                                f"{reports[0]['probe']:.2f}× | {reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
     return rows
 
 
@@ -123,11 +135,11 @@ def main(argv=None) -> None:
              f"thread each) and gloo; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"medians of {args.repeats} passes, the slowest rank's.", "",
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
-             "that outlast it; probe σ: the compute slowdown `cost=\"measure\"` measures with matrix products "
-             "(the simulator's model).", "",
-             "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | probe σ |"
-             " traffic: ops × ms alone |",
-             "|---|---|---|---|---|---|---|---|", *rows, ""]
+             "that outlast it; forward, backward: the slowdown of each pass apart; probe σ: the compute slowdown "
+             "`cost=\"measure\"` measures with matrix products (the simulator's model).", "",
+             "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | forward | backward |"
+             " probe σ | traffic: ops × ms alone |",
+             "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 
