@@ -92,7 +92,7 @@ class GradSync:
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
         self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
-        self.subsets: dict[tuple[str, ...], ParameterSubset] = {}  # owner modules -> their parameters
+        self.layer_subsets: dict[str, ParameterSubset] = {}  # owner module -> its parameters
         self.iteration_started = time.perf_counter()
         self.forward_started: float | None = None  # the iteration's first forward
         self.comm_wait = 0.0
@@ -148,14 +148,12 @@ class GradSync:
     def check_optimizer(self, optimizer) -> None:
         self.layout.check_optimizer(optimizer)
         self.optimizer = optimizer
-        self.subsets = {}  # made again on the optimizer's current groups
+        self.layer_subsets = {m: ParameterSubset(optimizer, [self.layout.parameters[n] for n in names])
+                              for m, names in self.layout.owners.items()}
 
-    def _subset(self, modules: tuple[str, ...]) -> ParameterSubset:
-        """The parameters of the owner `modules` (cached: the same sets recur every iteration)."""
-        if modules not in self.subsets:
-            parameters = [self.layout.parameters[n] for m in modules for n in self.layout.owners[m]]
-            self.subsets[modules] = ParameterSubset(self.optimizer, parameters)
-        return self.subsets[modules]
+    def _subset(self, modules: list[str]) -> ParameterSubset:
+        """The parameters of the owner `modules`, for one optimizer call."""
+        return ParameterSubset.union([self.layer_subsets[m] for m in modules])
 
     def _complete(self, executor: PlanExecutor, module_name: str) -> bool:
         """Whether every op carrying the module's gradients is done."""
@@ -235,15 +233,17 @@ class GradSync:
         if executor.skip_step:
             self._finish_iteration()
             return None
-        complete = tuple(m for m in self.layout.owners if self._complete(executor, m))
+        complete, incomplete = [], []
+        for module_name in self.layout.owners:
+            (complete if self._complete(executor, module_name) else incomplete).append(module_name)
         with self._updating():
-            if len(complete) == len(self.layout.owners):
+            if not incomplete:
                 optimizer.step()
             else:
                 hyper = hyperparameters(optimizer)
                 if complete:
                     self._subset(complete).step(optimizer)
-                self.pending = {m: hyper for m in self.layout.owners if m not in complete}
+                self.pending = {m: hyper for m in incomplete}
         self._finish_iteration()
         return None
 
@@ -259,7 +259,7 @@ class GradSync:
 
         self._wait(executor, wait_for_the_modules_ops)
         # with it, every pending module whose ops are done by now: one optimizer call for an op's modules
-        ready = tuple(m for m in self.pending if m == module_name or self._complete(executor, m))
+        ready = [m for m in self.pending if m == module_name or self._complete(executor, m)]
         with self._updating():
             self._subset(ready).step(self.optimizer, self.pending[module_name])
             for name in ready:

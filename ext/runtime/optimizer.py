@@ -8,6 +8,7 @@ so an LR scheduler stepping in between does not leak into them.
 """
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Iterable
 
 import torch
@@ -22,6 +23,16 @@ class ParameterSubset:
     def __init__(self, optimizer: torch.optim.Optimizer, parameters: Iterable[torch.nn.Parameter]):
         wanted = {id(p) for p in parameters}
         self.per_group = [[p for p in group["params"] if id(p) in wanted] for group in optimizer.param_groups]
+
+    @classmethod
+    def union(cls, subsets: list["ParameterSubset"]) -> "ParameterSubset":
+        """One subset with the parameters of `subsets` (of one optimizer), group by group."""
+        if len(subsets) == 1:
+            return subsets[0]
+        merged = cls.__new__(cls)
+        groups = zip(*(subset.per_group for subset in subsets))
+        merged.per_group = [list(itertools.chain.from_iterable(lists)) for lists in groups]
+        return merged
 
     def step(self, optimizer: torch.optim.Optimizer, hyper: list[dict] | None = None) -> None:
         """One ``optimizer.step()`` restricted to this subset, with `hyper` as the groups' settings."""
