@@ -68,6 +68,7 @@ class Workload:
 
     description: str
     batch: int
+    samples: str  # what one sample is, for the report
     build_model: Callable[[], nn.Module]
     make_inputs: Callable[[int, torch.Generator], torch.Tensor]
 
@@ -116,9 +117,15 @@ def tokens(batch: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 256, (batch, 32), generator=generator)
 
 
-# overhead.py's CNN has 26 small tensors (4.7 MB)
-WORKLOADS = {"cnn": Workload("CNN (small tensors)", 4, small_cnn, images),
-             "transformer": Workload("transformer (large matrices)", 4, Transformer, tokens)}
+# overhead.py's CNN has 26 small tensors (4.7 MB). The batches set each model's balance of
+# computation and communication at 1 Gbit/s on CPU ranks (about 100× slower than the papers'
+# GPUs): the CNN's backward pass about as long as its gradients' transfer with 2 ranks, where the
+# order and merging of the all-reduces decide the step (with 4 images the transfer took about
+# twice the backward and no schedule could hide it); torch DDP's transformer step about 4-5× its
+# computation, as for BERT-Base on 10GbE in acp-sgd Table III (S-SGD 805 ms, ACP-SGD 193 ms; with
+# 4 sequences 2.4-4.8× depending on the host's speed).
+WORKLOADS = {"cnn": Workload("CNN (small tensors)", 8, "images of 3×32×32", small_cnn, images),
+             "transformer": Workload("transformer (large matrices)", 2, "sequences of 32 tokens", Transformer, tokens)}
 
 
 @dataclass(frozen=True)
@@ -485,6 +492,8 @@ NOTES = [
     " speed, and the job's fitted cost); error = (predicted −"
     " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"
     " trials: 3 iterations each, run alone; the slowest rank's median) before choosing.",
+    "One rank's batch of synthetic data: " + ", ".join(f"{name} {w.batch} {w.samples}" for name, w in WORKLOADS.items())
+    + ", sized for the balance of computation and communication at 1 Gbit/s (REPRODUCTION.md).",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"
     " PowerSGD hook and gradsync's powersgd and acp_sgd alike; plain SGD (lr 0.01) everywhere. The PowerSGD"
     " hook row runs DDP with one bucket: on gloo the hook's second all-reduce is launched from a callback"
