@@ -121,9 +121,9 @@ def tokens(batch: int, generator: torch.Generator) -> torch.Tensor:
 # computation and communication at 1 Gbit/s on CPU ranks (about 100× slower than the papers'
 # GPUs): the CNN's backward pass about as long as its gradients' transfer with 2 ranks, where the
 # order and merging of the all-reduces decide the step (with 4 images the transfer took about
-# twice the backward and no schedule could hide it); torch DDP's transformer step about 4-5× its
-# computation, as for BERT-Base on 10GbE in acp-sgd Table III (S-SGD 805 ms, ACP-SGD 193 ms; with
-# 4 sequences 2.4-4.8× depending on the host's speed).
+# twice the computation and no schedule could hide it); torch DDP's transformer step 3.5-5.2× its
+# computation (4 and 2 ranks), as for BERT-Base on 10GbE in acp-sgd Table III (S-SGD 805 ms,
+# ACP-SGD 193 ms: at least 4.17×; with 4 sequences 2.4-4.8× depending on the host's speed).
 WORKLOADS = {"cnn": Workload("CNN (small tensors)", 8, "images of 3×32×32", small_cnn, images),
              "transformer": Workload("transformer (large matrices)", 2, "sequences of 32 tokens", Transformer, tokens)}
 
