@@ -59,8 +59,9 @@ def paced_profile(model: PacedNet):
 
 def paced_training(rank, world_size, pauses):
     """Train with the given pauses per phase (one phase: 3 windows), rank 1's later pauses 3× longer;
-    per phase: this rank's median measured busy time over its last window, the scale, and the
-    predicted busy time at that scale."""
+    per phase: this rank's median measured busy time over its last window, the scale, the predicted
+    busy time at that scale, the scale its last iteration recorded and the one it was predicted with
+    (the window that ends with that iteration may rescale after it), and the plan's hash."""
     torch.manual_seed(0)
     model = PacedNet()
     wrapped, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
@@ -73,12 +74,13 @@ def paced_training(rank, world_size, pauses):
     for phase, pause in enumerate(pauses):
         model.pause = pause * (3 if rank == 1 and phase > 0 else 1)
         for _ in range(3 * window):
+            scale_of_this_prediction = sync.speed.scale
             optimizer.zero_grad()
             F.cross_entropy(wrapped(x), y).backward()
             optimizer.step()
         recent = sorted(stats.busy_time for stats in list(sync.history)[-window:])
         phases.append((recent[window // 2], sync.speed.scale, sync.prediction(sync.rounds_now).busy,
-                       sync.history[-1].compute_scale, sync.plan.hash))
+                       sync.history[-1].compute_scale, scale_of_this_prediction, sync.plan.hash))
     sync.detach()
     return phases
 
@@ -87,9 +89,9 @@ def test_predictions_follow_the_slowest_ranks_measured_speed_and_the_plan_stays(
     results = run_local(paced_training, 2, [0.02, 0.02])
     (early0, late0), (early1, late1) = results
     # the first phase: both ranks pause 20 ms, and the made-up 9 ms profile is scaled up to it
-    for busy, scale, predicted, recorded_scale, _ in (early0, early1):
+    for busy, scale, predicted, recorded_scale, scale_of_that_prediction, _ in (early0, early1):
         assert busy > 0.02 and predicted == pytest.approx(busy, rel=0.25)
-        assert scale > 2 and recorded_scale == scale
+        assert scale > 2 and recorded_scale == scale_of_that_prediction > 2
     # the second phase: rank 1 pauses 60 ms; rank 0 waits for it in the all-reduce (not busy), and
     # both ranks predict rank 1's pace with one scale
     assert late0[1] == late1[1] and early0[1] == early1[1]
@@ -97,4 +99,4 @@ def test_predictions_follow_the_slowest_ranks_measured_speed_and_the_plan_stays(
     assert late0[0] < 0.5 * late1[0]
     assert 2 < late1[1] / early1[1] < 4.5
     # plans do not change with the predictions
-    assert {phase[4] for phase in (early0, late0, early1, late1)} == {early0[4]}
+    assert {phase[5] for phase in (early0, late0, early1, late1)} == {early0[5]}
