@@ -156,7 +156,8 @@ def report(result: dict) -> str:
     if b["measured_ms"] is not None:
         lines += [f"  non-overlapped communication {b['comm_wait_ms']:.2f} ms per iteration",
                   f"  compression ratio {b['compression_ratio']:.3f} (bytes sent / gradient bytes)",
-                  f"  predicted {b['predicted_ms']:.2f} ms vs measured {b['measured_ms']:.2f} ms per iteration"]
+                  f"  predicted {b['predicted_ms']:.2f} ms vs measured {b['measured_ms']:.2f} ms per iteration "
+                  "(first forward to the end of the step)"]
     else:
         lines.append("  (Lightning's DDP: no gradsync plan, breakdown or timeline)")
     if result["timeline"]:

@@ -110,9 +110,11 @@ class IterationTimer(pl.Callback):
             self.steady_iteration = self.runtime.iteration if self.runtime is not None else None
 
     def breakdown(self, samples_per_step: int) -> dict:
-        """Median step time and throughput; with gradsync, the means over the same steps of the
-        runtime's measured and predicted iteration time, non-overlapped communication and wire
-        bytes as a fraction of the gradient bytes (the compression ratio)."""
+        """Median step time and throughput; with gradsync, over the same steps, the medians of the
+        runtime's predicted and measured time from an iteration's first forward to the end of its
+        step (the span the simulator predicts; Lightning's work between steps is outside it) and of
+        the non-overlapped communication, and the mean wire bytes as a fraction of the gradient
+        bytes (the compression ratio, over whole codec cycles)."""
         steady = self.step_times[self.steady_step or 0:] or self.step_times
         step = statistics.median(steady)
         result = {"steps": len(steady), "iteration_ms": 1e3 * step, "throughput": samples_per_step / step,
@@ -121,11 +123,11 @@ class IterationTimer(pl.Callback):
             return result
         history = [s for s in self.runtime.history if s.iteration >= (self.steady_iteration or 0)] \
             or list(self.runtime.history)
-        mean = statistics.fmean
+        median = statistics.median
         result.update(
-            measured_ms=1e3 * mean(s.iteration_time for s in history),
-            predicted_ms=1e3 * mean(s.predicted_time for s in history),
-            comm_wait_ms=1e3 * mean(s.comm_wait for s in history),
-            compression_ratio=mean(s.bytes_sent for s in history) / self.runtime.profile.total_bytes,
+            measured_ms=1e3 * median(s.busy_time + s.comm_wait for s in history),
+            predicted_ms=1e3 * median(s.predicted_time for s in history),
+            comm_wait_ms=1e3 * median(s.comm_wait for s in history),
+            compression_ratio=statistics.fmean(s.bytes_sent for s in history) / self.runtime.profile.total_bytes,
         )
         return result

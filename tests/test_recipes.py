@@ -224,3 +224,24 @@ def test_the_summary_labels_jobs_by_what_differs(tmp_path):
     assert [(row["job"], row["label"], row["final_accuracy"]) for row in rows] == [
         ("2", "strategy=wfbp", 75.5), ("10", "strategy=ddp", 75.5)]
     assert markdown(rows).splitlines()[2] == "| 2 | strategy=wfbp | 10.00 | 6400 | 75.50 | n/a | n/a | n/a |"
+
+
+def test_the_breakdown_takes_medians_of_the_forward_to_step_times_and_the_mean_of_bytes():
+    from types import SimpleNamespace
+
+    from gradsync.recipes.lightning_module import IterationTimer
+    from gradsync.runtime.engine import IterationStats
+
+    # four steady iterations of a P/Q codec cycle, each with 3 ms between steps (not the model's
+    # forward to step: its busy time plus the communication wait); the third spans an evaluation
+    history = [IterationStats(i, busy + wait + between, wait, sent, predicted, busy_time=busy)
+               for i, (busy, wait, between, sent, predicted) in enumerate(
+                   [(0.006, 0.001, 0.003, 100, 0.009), (0.007, 0.002, 0.003, 300, 0.011),
+                    (0.006, 0.003, 0.491, 100, 0.009), (0.007, 0.002, 0.003, 300, 0.011)])]
+    timer = IterationTimer(runtime_of=lambda trainer: None)
+    timer.step_times, timer.steady_step, timer.steady_iteration = [0.010, 0.012, 0.500, 0.011], 0, 0
+    timer.runtime = SimpleNamespace(history=history, profile=SimpleNamespace(total_bytes=1000))
+    breakdown = timer.breakdown(samples_per_step=64)
+    assert breakdown["measured_ms"] == pytest.approx(9.0) and breakdown["iteration_ms"] == pytest.approx(11.5)
+    assert breakdown["predicted_ms"] == pytest.approx(10.0) and breakdown["comm_wait_ms"] == pytest.approx(2.0)
+    assert breakdown["compression_ratio"] == pytest.approx(0.2)
