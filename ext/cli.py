@@ -10,7 +10,7 @@ from typing import Sequence
 
 from . import compress, planners
 from .compress.planning import LayoutPlan, predict_cycle
-from .cost import PRESETS, CostModel
+from .cost import PRESETS, CostModel, check_workers
 from .errors import ConfigError
 from .profile import ModelProfile, zoo, zoo_names
 from .profile.devices import resolve_device
@@ -82,6 +82,8 @@ def _profile(args) -> ModelProfile:
 
 
 def _cost(args) -> CostModel:
+    if args.workers is not None:
+        check_workers(args.workers)
     explicit = args.a is not None or args.b is not None
     if explicit and args.cluster:
         raise ConfigError("give either --cluster or --a/--b, not both")
@@ -123,7 +125,7 @@ class Prediction:
 
 def _predict(args, profile: ModelProfile, cost: CostModel, scheduler: str, options: dict) -> Prediction:
     codec = compress.get(args.compressor, **dict(args.compressor_option))
-    codec.setup(profile.tensor_map(), args.workers or 2, seed=0)
+    codec.setup(profile.tensor_map(), 2 if args.workers is None else args.workers, seed=0)
     flops = None
     if not args.profile:
         device = resolve_device(args.device)

@@ -93,8 +93,7 @@ class CostModel:
 
         `sum_time` is the time to add two numbers per byte (Table II's γ; not the contention γ).
         """
-        if not isinstance(workers, int) or workers < 2:
-            raise ConfigError(f"cost model: 'workers' must be an integer >= 2, got {workers!r}")
+        check_workers(workers)
         n = workers
         log_n = math.log2(n)
         formulas = {
@@ -118,7 +117,7 @@ class CostModel:
             raise unknown_name("cluster preset", name, PRESETS)
         preset = PRESETS[name]
         return cls.from_network(
-            preset.alpha, preset.beta, workers or preset.workers, gamma=preset.gamma, name=name
+            preset.alpha, preset.beta, preset.workers if workers is None else workers, gamma=preset.gamma, name=name
         )
 
     @classmethod
@@ -195,3 +194,9 @@ PRESETS: dict[str, ClusterPreset] = {
     "mg-wfbp-10gbe": ClusterPreset(45.26e-6, 8e-10, 8, 1.0, "mg-wfbp §V-A: 2(N-1)α = 90.52/271.56/633.64 µs; "
                                    "β = 1/(10 Gbit/s)"),
 }
+
+
+def check_workers(workers) -> None:
+    """A worker count an all-reduce can have: an integer >= 2."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+        raise ConfigError(f"cost model: 'workers' must be an integer >= 2, got {workers!r}")

@@ -69,6 +69,13 @@ def test_unknown_preset_lists_valid_names():
         CostModel.preset("nope")
 
 
+@pytest.mark.parametrize("workers", [0, 1, -3, True, 2.0])
+def test_a_preset_refuses_a_worker_count_no_all_reduce_has(workers):
+    # 0 used to fall back silently to the paper's own worker count
+    with pytest.raises(ConfigError, match="'workers'"):
+        CostModel.preset("asc-wfbp-10gbe", workers=workers)
+
+
 def test_fit_rejects_degenerate_samples():
     with pytest.raises(ConfigError):
         CostModel.fit([1e6, 1e6], [1e-3, 1e-3])
