@@ -335,6 +335,10 @@ def test_trace_and_stats(tmp_path):
         ({"profile": "/nonexistent.json"}, "no such file"),
         ({"plan_trials": -1}, "'plan_trials' must be an integer >= 0"),
         ({"plan_trials": 2.5}, "'plan_trials' must be an integer >= 0"),
+        ({"timeout": 0}, "'timeout' must be a finite number"),
+        ({"timeout": float("nan")}, "'timeout' must be a finite number"),
+        ({"timeout": float("inf")}, "'timeout' must be a finite number"),
+        ({"broadcast_buffers": "yes"}, "'broadcast_buffers' must be true or false"),
     ],
 )
 def test_bad_arguments_fail_before_any_collective(kwargs, message):

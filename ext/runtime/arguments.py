@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from .. import compress, planners
@@ -15,6 +16,7 @@ from ..topology import Topology, load as load_topology, preset as topology_prese
 from .executor import check_nonfinite_mode
 
 TRANSPORTS = ("allreduce", "forest")
+MAX_TIMEOUT = timedelta.max.total_seconds()  # what the process group's timedelta can hold
 
 
 @dataclass
@@ -49,8 +51,10 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     count = 2 if channels is None else channels
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"'channels' must be an integer >= 1, got {channels!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigError(f"'timeout' must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
+        raise ConfigError(f"'timeout' must be a finite number of seconds > 0, got {timeout!r}")
+    if not isinstance(broadcast_buffers, bool):
+        raise ConfigError(f"'broadcast_buffers' must be true or false, got {broadcast_buffers!r}")
     check_nonfinite_mode(nonfinite)
     network = _topology(transport, topology, codec)
     for name, value, least in (("warmup_iterations", warmup_iterations, 0), ("measure_iterations", measure_iterations, 1),
@@ -68,7 +72,7 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
         scheduler=scheduler, codec=codec, channels=count,
         profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
         cost=_load(cost, "cost", lambda path: CostModel(**_read_json(path)), CostModel),
-        trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=bool(broadcast_buffers),
+        trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=broadcast_buffers,
         warmup_iterations=warmup_iterations, measure_iterations=measure_iterations, plan_trials=plan_trials,
         planner_options=planner_options, transport=transport, topology=network,
     )
