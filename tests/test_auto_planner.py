@@ -73,6 +73,18 @@ def test_auto_refuses_when_no_candidate_fits_the_channels():
         planners.get("auto")(profile, cost, channels=0)
 
 
+@pytest.mark.parametrize("candidates", [(), "mg_wfbp", 3, [None]])
+def test_auto_refuses_candidates_that_are_not_a_list_of_planner_names(candidates):
+    profile, cost = zoo("resnet50"), CostModel.preset("asc-wfbp-10gbe", workers=8)
+    with pytest.raises(ConfigError, match="candidate"):
+        planners.get("auto")(profile, cost, candidates=candidates)
+
+
+def test_auto_takes_candidates_from_a_json_list():
+    profile, cost = zoo("resnet50"), CostModel.preset("asc-wfbp-10gbe", workers=8)
+    assert planners.get("auto")(profile, cost, candidates=["wfbp"]).options["chosen"] == "wfbp"
+
+
 def first_layers_last_profile():
     """Two small input layers and a large output layer, whose all-reduce (20 ms at the cost below)
     is still travelling when the backward pass ends: the small ones pass it (two ops per channel),

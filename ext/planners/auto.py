@@ -3,6 +3,7 @@ the objective of every searching planner)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ..cost import CostModel
 from ..errors import ConfigError, unknown_name
@@ -36,15 +37,18 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
             or not 0 <= tolerance < 1:
         raise ConfigError(f"auto: 'tolerance' must be a number in [0, 1), got {tolerance!r}")
     pool = [name for name in names() if name != "auto"]
-    for name in candidates or ():
-        if name not in pool:
-            raise unknown_name("auto candidate", name, pool)
+    if candidates is not None:
+        if isinstance(candidates, str) or not isinstance(candidates, Sequence) or not candidates:
+            raise ConfigError(f"auto: 'candidates' must be a non-empty list of planner names, got {candidates!r}")
+        for name in candidates:
+            if name not in pool:
+                raise unknown_name("auto candidate", name, pool)
     if channels is not None:
         positive_int("auto", "channels", channels)
     if overlap_forward is not None and not isinstance(overlap_forward, bool):
         raise ConfigError(f"auto: 'overlap_forward' must be true, false or null, got {overlap_forward!r}")
     best: tuple[float, Plan] | None = None
-    for name in candidates or pool:
+    for name in pool if candidates is None else candidates:
         fitted = {"channels": channels} if channels is not None and "channels" in option_names(name) else {}
         if overlap_forward is not None:
             fitted["overlap_forward"] = overlap_forward
