@@ -214,11 +214,32 @@ def test_topology_file_with_units(tmp_path):
     ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": "-3 Gbit/s"}]}, "must be positive"),
     ({"workers": ["a", "b"], "links": [{"between": ["a", "c"], "bandwidth": 1}]}, "'c' is neither"),
     ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": "3 furlongs"}]}, "cannot read"),
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": float("inf")}]}, "finite"),
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": "1e999 Gbit/s"}]}, "finite"),
+    ({"workers": ["a", "b"], "links": [{"between": ["a", "b"], "bandwidth": 1, "latency_us": "5"}]}, "latency_us"),
     ({"workers": ["a"], "links": [], "extra": 1}, "unknown keys"),
 ])
 def test_bad_topology_files(data, message):
     with pytest.raises(ConfigError, match=message):
         Topology.from_dict(data)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: complete(1), "number of workers must be an integer >= 2"),
+    (lambda: complete(2.5), "number of workers must be an integer >= 2"),
+    (lambda: preset("ring-1"), "number of workers must be an integer >= 2"),
+    (lambda: complete(3, gbps=True), "must be positive and finite"),
+    (lambda: complete(3, gbps=float("inf")), "must be positive and finite"),
+    (lambda: cluster(2, None, 10.0), "gpus must be an integer >= 1"),
+    (lambda: cluster(0, 4, 10.0), "machines must be an integer >= 1"),
+    (lambda: cluster(2, 4, None), "inter_gbps must be positive and finite"),
+    (lambda: cluster(2, 4, 10.0, intra_gbps=float("nan")), "intra_gbps must be positive and finite"),
+    (lambda: preset("2x2-pcie", inter_gbps="10"), "inter_gbps must be positive and finite"),
+    (lambda: Topology(("a", "b"), (Link("a", "b", 1.0, latency=float("nan")), Link("b", "a", 1.0))), "latency"),
+])
+def test_preset_builders_refuse_bad_counts_and_rates(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
 
 
 def test_bad_active_sets():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -179,9 +180,14 @@ def parse_bandwidth(value, where: str) -> float:
             raise ConfigError(f"{where}.bandwidth: cannot read {value!r}; give a number (Gbit/s) or "
                               f"a value with a unit: {', '.join(_UNITS)}")
         gbps = float(match.group(1)) * _UNITS[unit]
-    if not gbps > 0:
-        raise ConfigError(f"{where}.bandwidth must be positive, got {value!r}")
-    return gbps
+    return check_rate(gbps, f"{where}.bandwidth")
+
+
+def check_rate(gbps, what: str) -> float:
+    """A bandwidth in Gbit/s: a finite number > 0."""
+    if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < math.inf:
+        raise ConfigError(f"{what} must be positive and finite (Gbit/s), got {gbps!r}")
+    return float(gbps)
 
 
 def _parse_link(entry, position: int) -> list[Link]:
@@ -194,9 +200,10 @@ def _parse_link(entry, position: int) -> list[Link]:
     if "bandwidth" not in entry:
         raise ConfigError(f"{where}: missing bandwidth")
     gbps = parse_bandwidth(entry["bandwidth"], where)
-    latency = float(entry.get("latency_us", 0.0)) * 1e-6
-    if latency < 0:
-        raise ConfigError(f"{where}.latency_us must be >= 0")
+    latency_us = entry.get("latency_us", 0.0)
+    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not 0 <= latency_us < math.inf:
+        raise ConfigError(f"{where}.latency_us must be a finite number >= 0, got {latency_us!r}")
+    latency = latency_us * 1e-6
     if "between" in entry:
         pair = entry["between"]
         if not isinstance(pair, list) or len(pair) != 2 or "from" in entry or "to" in entry:
@@ -222,10 +229,11 @@ def _validate(topology: Topology) -> None:
                 raise ConfigError(f"topology.links: node {end!r} is neither a worker nor a relay")
         if link.src == link.dst:
             raise ConfigError(f"topology.links: self-loop on {link.src!r}")
-        if not link.gbps > 0:
-            raise ConfigError(f"topology.links: bandwidth of {link.src}->{link.dst} must be positive, got {link.gbps}")
-        if link.latency < 0:
-            raise ConfigError(f"topology.links: latency of {link.src}->{link.dst} must be >= 0")
+        check_rate(link.gbps, f"topology.links: bandwidth of {link.src}->{link.dst}")
+        if isinstance(link.latency, bool) or not isinstance(link.latency, (int, float)) \
+                or not 0 <= link.latency < math.inf:
+            raise ConfigError(f"topology.links: latency of {link.src}->{link.dst} must be a finite number >= 0, "
+                              f"got {link.latency!r}")
         if (link.src, link.dst) in seen:
             raise ConfigError(f"topology.links: link {link.src}->{link.dst} given twice (sum the bandwidths)")
         seen.add((link.src, link.dst))

@@ -13,7 +13,7 @@ import re
 import string
 
 from ..errors import ConfigError
-from .model import Link, Topology
+from .model import Link, Topology, check_rate
 
 # NVLink count between GPU i and j in a DGX-1 (FIELD-NOTES), 25 GB/s = 200 Gbit/s per link.
 DGX1_LINKS = (
@@ -25,8 +25,16 @@ INTRA_GBPS = {"pcie": 100.0, "nvlink": 300.0}
 PAPER_LABELS = {"2G": "AG", "3G": "ABG", "4H": "ABGH"}
 
 
+def check_count(value, what: str, least: int) -> int:
+    """A number of workers, machines or GPUs: an integer >= `least`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{what} must be an integer >= {least}, got {value!r}")
+    return value
+
+
 def complete(n: int, gbps: float = 1.0) -> Topology:
     """K_n: a link of `gbps` each way between every pair of workers 0..n-1."""
+    check_count(n, "complete: the number of workers", 2)
     workers = tuple(str(i) for i in range(n))
     links = tuple(Link(u, v, gbps) for u in workers for v in workers if u != v)
     return Topology(workers, links, name=f"complete-{n}")
@@ -34,6 +42,7 @@ def complete(n: int, gbps: float = 1.0) -> Topology:
 
 def ring(n: int, gbps: float = 1.0, bidirectional: bool = True) -> Topology:
     """Workers 0..n-1 on a ring: i→i+1, and i+1→i too when bidirectional."""
+    check_count(n, "ring: the number of workers", 2)
     workers = tuple(str(i) for i in range(n))
     links = [Link(workers[i], workers[(i + 1) % n], gbps) for i in range(n)]
     if bidirectional:
@@ -43,6 +52,7 @@ def ring(n: int, gbps: float = 1.0, bidirectional: bool = True) -> Topology:
 
 def dgx1(link_gbps: float = 200.0) -> Topology:
     """One DGX-1: 8 GPUs, hybrid cube-mesh NVLink, `link_gbps` per NVLink per direction."""
+    check_rate(link_gbps, "dgx1: link_gbps")
     workers = tuple(str(i) for i in range(8))
     links = tuple(Link(workers[i], workers[j], count * link_gbps)
                   for i, row in enumerate(DGX1_LINKS) for j, count in enumerate(row) if count)
@@ -52,13 +62,12 @@ def dgx1(link_gbps: float = 200.0) -> Topology:
 def cluster(machines: int, gpus: int, inter_gbps: float, intra: str = "pcie",
             intra_gbps: float | None = None) -> Topology:
     """The paper's Fig. 3 cluster: `machines` × `gpus`, workers named m<machine>g<gpu>."""
-    if machines < 1 or gpus < 1:
-        raise ConfigError(f"cluster: machines and gpus must be >= 1, got {machines}x{gpus}")
+    check_count(machines, "cluster: machines", 1)
+    check_count(gpus, "cluster: gpus", 1)
     if intra not in INTRA_GBPS:
         raise ConfigError(f"cluster.intra: unknown {intra!r}; valid: {', '.join(INTRA_GBPS)}")
-    if not inter_gbps > 0:
-        raise ConfigError(f"cluster.inter_gbps must be positive, got {inter_gbps}")
-    per_link = INTRA_GBPS[intra] if intra_gbps is None else intra_gbps
+    check_rate(inter_gbps, "cluster.inter_gbps")
+    per_link = INTRA_GBPS[intra] if intra_gbps is None else check_rate(intra_gbps, "cluster.intra_gbps")
     names = [[f"m{m}g{g}" for g in range(gpus)] for m in range(machines)]
     links = []
     for m in range(machines):
@@ -84,8 +93,6 @@ def preset(name: str, inter_gbps: float = 10.0, gbps: float = 1.0) -> Topology:
         return dgx1()
     if match := re.fullmatch(r"(complete|ring|oneway-ring)-(\d+)", name):
         n = int(match.group(2))
-        if n < 2:
-            raise ConfigError(f"preset {name!r}: need at least 2 workers")
         if match.group(1) == "complete":
             return complete(n, gbps)
         return ring(n, gbps, bidirectional=match.group(1) == "ring")
