@@ -45,7 +45,7 @@ def replayed_prediction(record: dict) -> float:
     each rank's profile, with the layer times the runtime now combines from them (`slowest_times`);
     where it keeps compute scales, per timed block the mean over its iterations' scales, and then
     the median over the blocks (as the head-to-head takes the measured time's)."""
-    cost = CostModel(**record["cost"])  # its to_dict form
+    cost = CostModel.from_dict(record["cost"])
     ranks = [ModelProfile.from_dict(data) for data in record.get("rank_profiles", [])]
     combined = slowest_times(ranks) if ranks else None
     layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]),

@@ -8,7 +8,7 @@ us-byte eq. 1 (an empty all-reduce costs nothing) and eq. 14 (ring).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields as dataclass_fields
 from typing import Sequence
 
 import numpy as np
@@ -50,9 +50,11 @@ class CostModel:
     def __post_init__(self) -> None:
         for attr in ("a", "b"):
             value = getattr(self, attr)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
                 raise ConfigError(f"cost model: '{attr}' must be a finite number > 0, got {value!r}")
-        if not isinstance(self.gamma, (int, float)) or not math.isfinite(self.gamma) or self.gamma < 1:
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not math.isfinite(self.gamma) \
+                or self.gamma < 1:
             raise ConfigError(f"cost model: 'gamma' must be a finite number >= 1, got {self.gamma!r}")
         if isinstance(self.host, bool) or not isinstance(self.host, (int, float)) or not math.isfinite(self.host) \
                 or self.host < 0:
@@ -78,6 +80,19 @@ class CostModel:
                 "ops_per_channel": self.ops_per_channel}
 
     # -- constructors -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data) -> "CostModel":
+        """The inverse of `to_dict` ('a' and 'b' required), refusing what is not such a mapping."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"cost model JSON must be an object with 'a' and 'b', got {type(data).__name__}")
+        keys = [f.name for f in dataclass_fields(cls) if f.name != "fit_report"]
+        problems = [f"{what} {names}" for what, names in (("unknown key(s)", sorted(set(data) - set(keys))),
+                                                          ("missing", [key for key in ("a", "b") if key not in data]))
+                    if names]
+        if problems:
+            raise ConfigError(f"cost model JSON: {'; '.join(problems)} (keys: {', '.join(keys)})")
+        return cls(**data)
+
     @classmethod
     def from_network(
         cls,

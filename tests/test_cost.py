@@ -69,6 +69,18 @@ def test_unknown_preset_lists_valid_names():
         CostModel.preset("nope")
 
 
+def test_a_cost_model_round_trips_through_its_dict_and_refuses_other_mappings():
+    cost = CostModel(1e-3, 2e-9, 1.5, "fitted", host=3e-4, compute_slowdown=1.2, transfer_slowdown=1.4,
+                     ops_per_channel=2)
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    for data, message in (([1e-3, 1e-9], "must be an object"), ({"a": 1e-3}, r"missing \['b'\]"),
+                          ({"a": 1e-3, "b": 1e-9, "zeta": 1}, r"unknown key\(s\) \['zeta'\]"),
+                          ({"a": True, "b": 1e-9}, "'a' must be a finite number"),
+                          ({"a": 1e-3, "b": 1e-9, "gamma": True}, "'gamma' must be a finite number")):
+        with pytest.raises(ConfigError, match=message):
+            CostModel.from_dict(data)
+
+
 @pytest.mark.parametrize("workers", [0, 1, -3, True, 2.0])
 def test_a_preset_refuses_a_worker_count_no_all_reduce_has(workers):
     # 0 used to fall back silently to the paper's own worker count

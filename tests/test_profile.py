@@ -45,6 +45,8 @@ def test_json_round_trip(tmp_path):
         (lambda d: d["layers"][1]["tensors"][0].update(name="t0"), "appears twice"),
         (lambda d: d["layers"][0].update(update_time=-0.1), "update_time"),
         (lambda d: d["layers"][1].update(update_time=float("nan")), "update_time"),
+        (lambda d: d["layers"][0]["tensors"][0].update(numel=True), "numel"),
+        (lambda d: d.update(metadata=5), "metadata"),
     ],
 )
 def test_bad_profiles_name_the_field(mutate, field):

@@ -151,7 +151,7 @@ class ModelProfile:
                 if tensor.name in seen:
                     raise ConfigError(f"{where}: tensor name {tensor.name!r} appears twice")
                 seen.add(tensor.name)
-                if not isinstance(tensor.numel, int) or tensor.numel <= 0:
+                if isinstance(tensor.numel, bool) or not isinstance(tensor.numel, int) or tensor.numel <= 0:
                     raise ConfigError(f"{where}: tensor {tensor.name!r} 'numel' must be a positive integer")
                 if tensor.shape is not None and math.prod(tensor.shape) != tensor.numel:
                     raise ConfigError(f"{where}: tensor {tensor.name!r} 'shape' {list(tensor.shape)} "
@@ -210,7 +210,10 @@ class ModelProfile:
                 LayerProfile(str(entry["name"]), tuple(tensors), entry["forward_time"], entry["backward_time"],
                              entry.get("update_time", 0.0))
             )
-        return cls(str(data.get("name", "profile")), tuple(layers), dict(data.get("metadata") or {}))
+        metadata = data.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise ConfigError(f"profile JSON: 'metadata' must be an object, got {type(metadata).__name__}")
+        return cls(str(data.get("name", "profile")), tuple(layers), dict(metadata))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))

@@ -71,7 +71,7 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     return WrapArguments(
         scheduler=scheduler, codec=codec, channels=count,
         profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
-        cost=_load(cost, "cost", lambda path: CostModel(**_read_json(path)), CostModel),
+        cost=_load(cost, "cost", lambda path: CostModel.from_dict(_read_json(path)), CostModel),
         trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=broadcast_buffers,
         warmup_iterations=warmup_iterations, measure_iterations=measure_iterations, plan_trials=plan_trials,
         planner_options=planner_options, transport=transport, topology=network,
