@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from .. import planners
 from ..errors import ConfigError
 from ..runtime import attached, no_sync, wrap
+from ..runtime.arguments import check_wrap_arguments
 
 # DDPStrategy's own arguments (set by users or by Lightning's accelerator connector); every other
 # keyword goes to gradsync.wrap. DDPStrategy's **kwargs would configure DistributedDataParallel,
@@ -32,8 +32,9 @@ class GradSyncOverrides:
         """`scheduler`: a gradsync planner name; `compressor`: a name, a ``{"type": name, ...}``
         dict or a Codec. `options`: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``);
         the rest go to ``gradsync.wrap`` (channels, profile, cost, nonfinite, planner options, ...)."""
-        planners.get(scheduler)  # an unknown name fails here, before any rank is launched
         super().__init__(**{name: options.pop(name) for name in LIGHTNING_OPTIONS if name in options})
+        # bad values fail here, before any rank is launched
+        check_wrap_arguments(scheduler=scheduler, compressor=compressor, **options)
         self.scheduler = scheduler
         self.compressor = compressor
         self.gradsync_options = options

@@ -269,9 +269,17 @@ def test_gradsync_imports_without_lightning():
     assert done.stdout.split() == ["['COMPRESSORS',", "'SCHEDULERS',", "'TRANSPORTS']"]
 
 
-def test_unknown_scheduler_fails_at_construction():
-    with pytest.raises(ConfigError, match="scheduler.*wfbp"):
-        GradSyncStrategy(scheduler="fastest")
+@pytest.mark.parametrize("arguments, message", [
+    ({"scheduler": "fastest"}, "scheduler.*wfbp"),
+    ({"channels": 0}, "'channels'"),
+    ({"compressor": {"type": "acp_sgd", "rank": 0}}, "'rank'"),
+    ({"scheduler": "us_byte", "partition_bytes": -1}, "partition_bytes"),
+    ({"nonfinite": "hope"}, "'nonfinite'"),
+    ({"bucket": 3}, r"unknown option\(s\) \['bucket'\]; valid: candidates"),
+])
+def test_bad_arguments_fail_at_construction_before_any_rank_starts(arguments, message):
+    with pytest.raises(ConfigError, match=message):
+        GradSyncStrategy(**arguments)
 
 
 # -- training on 2 ranks ------------------------------------------------------------------------------

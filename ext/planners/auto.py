@@ -32,7 +32,7 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
     predicted them about 5% faster (benchmarks/REPRODUCTION.md)."""
     from . import get, names, option_names
 
-    reject_unknown("auto", options)
+    reject_unknown("auto", options, tuple(option_names("auto")))
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
             or not 0 <= tolerance < 1:
         raise ConfigError(f"auto: 'tolerance' must be a number in [0, 1), got {tolerance!r}")
