@@ -28,6 +28,7 @@ def test_uniform_presets_and_numbers():
 @pytest.mark.parametrize("make, field", [
     (lambda: uniform(1, 1.0), "'hosts'"), (lambda: uniform(9, 1.0), "'hosts'"),
     (lambda: uniform(2, "3gbit"), "1gbit, 10gbit"), (lambda: uniform(2, 0.0), "'gbps'"),
+    (lambda: uniform(2, float("inf")), "'gbps'"), (lambda: NetSpec(2, gbps=1e6), "'gbps'"),
     (lambda: NetSpec(2), "exactly one"), (lambda: NetSpec(2, gbps=1.0, pair_gbps=((0, 1), (1, 0))), "exactly one"),
     (lambda: from_matrix([[0, 1, 1], [1, 0, 1]]), "square"), (lambda: from_matrix([[0, 1], [-1, 0]]), ">= 0"),
     (lambda: from_matrix([[0, 1, 0], [1, 0, 0], [0, 0, 0]]), "no path from host 0 to host 2"),

@@ -21,6 +21,7 @@ SUBNET = "192.0.2"
 MIN_HOSTS, MAX_HOSTS = 2, 8
 RATE_PRESETS = {"1gbit": 1.0, "10gbit": 10.0}
 MIN_GBPS = 0.001  # 1 Mbit/s: below this tc's rate tables lose precision
+MAX_GBPS = 400.0  # beyond any link a veth pair on one machine could carry
 QUEUE_LATENCY_MS = 20  # tbf's queue: 20 ms of traffic at the rate, beyond the burst
 
 
@@ -135,8 +136,8 @@ def widest_paths(capacity: np.ndarray) -> np.ndarray:
 
 
 def _check_rate(field: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= MIN_GBPS:
-        raise ConfigError(f"netbed {field!r} must be a number of Gbit/s >= {MIN_GBPS}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_GBPS <= value <= MAX_GBPS:
+        raise ConfigError(f"netbed {field!r} must be a number of Gbit/s from {MIN_GBPS} to {MAX_GBPS:g}, got {value!r}")
 
 
 def _check_pairs(pairs, hosts: int) -> None:
