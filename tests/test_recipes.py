@@ -67,6 +67,18 @@ def test_the_optuna_recipe_tunes_partition_size_channels_and_rank():
     assert app.objective_values(result, ["iteration_ms"]) == 10.0
 
 
+def test_an_optuna_sweep_runs_its_trials_and_writes_the_summary(tmp_path, monkeypatch):
+    sweep = tmp_path / "optuna"
+    run_app(monkeypatch, "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
+            "hydra.sweeper.sampler.population_size=2", "trainer=quick", "timeline=false", f"hydra.sweep.dir={sweep}")
+    with (sweep / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 2 and all(row["strategy"] == "bytescheduler" for row in rows)
+    assert all(float(row["throughput"]) > 0 and 0 <= float(row["final_accuracy"]) <= 100 for row in rows)
+    tried = [json.loads((sweep / row["job"] / "result.json").read_text())["overrides"] for row in rows]
+    assert all(any(o.startswith("strategy.options.partition_bytes=") for o in overrides) for overrides in tried)
+
+
 def test_every_model_and_data_set_has_a_kind():
     from gradsync.recipes import data
 
