@@ -41,6 +41,61 @@ def test_no_sync_accumulation_matches_ddp():
     assert max(run_local(no_sync_matches_ddp, 2)) < 1e-6
 
 
+def second_backward_before_the_step(rank, world_size, inside_no_sync):
+    """A synchronised backward, then another (plain or inside no_sync) before the step: refused on
+    every rank; the step then applies the first pass's averaged gradients, as after one backward."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     profile=synthetic_profile(model), cost=COST)
+    _loss(model, rank, 0).backward()
+    try:
+        if inside_no_sync:
+            with gradsync.no_sync(model):
+                _loss(model, rank, 1).backward()
+        else:
+            _loss(model, rank, 1).backward()
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    optimizer.step()
+    _loss(reference, rank, 0).backward()
+    reference_optimizer.step()
+    difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    return refused, difference
+
+
+@pytest.mark.parametrize("inside_no_sync", [False, True])
+def test_a_second_backward_before_the_step_is_refused_and_the_first_stands(inside_no_sync):
+    for refused, difference in run_local(second_backward_before_the_step, 2, inside_no_sync):
+        assert refused is not None and "inside gradsync.no_sync(model)" in refused
+        assert difference < 1e-6
+
+
+def skipped_step_then_zero_grad(rank, world_size):
+    """A step skipped on purpose (as a GradScaler does on overflow), zero_grad, then a full step: as
+    torch DDP does the same."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     scheduler="wfbp", profile=synthetic_profile(model), cost=COST)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
+        for step in range(3):
+            stepper.zero_grad()
+            _loss(network, rank, step).backward()
+            if step != 1:  # step 1 is skipped
+                stepper.step()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_backward_after_a_skipped_step_and_zero_grad_is_a_new_step():
+    assert max(run_local(skipped_step_then_zero_grad, 2)) < 1e-6
+
+
 def checkpoint_resume(rank, world_size, path):
     """10 steps straight vs 5 steps, checkpoint, fresh model and optimizer, load, 5 more steps."""
     def train(model, optimizer, steps):

@@ -74,6 +74,7 @@ class GradSync:
         self.enabled = True
         self.in_backward = False
         self.backward_synced = False
+        self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
         self.iteration = 0
         self.sync_steps = 0  # synchronised backward passes so far: the codec's step
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_LENGTH)  # `iteration` counts them all
@@ -100,6 +101,7 @@ class GradSync:
         self.optimizer = None
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward)]
         for name, parameter in layout.parameters.items():
+            self.handles.append(parameter.register_hook(self._refuse_second_backward))
             self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
         for module_name, module in layout.modules.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_for(module_name)))
@@ -173,6 +175,17 @@ class GradSync:
                 self.trace.gradient_ready(self.module_of[name])
         return hook
 
+    def _refuse_second_backward(self, _gradient) -> None:
+        """Before a gradient accumulates: a backward pass after a synchronised one, with neither
+        optimizer.step() nor optimizer.zero_grad() between, would add its gradients to the averaged
+        ones, some in buffers still being reduced."""
+        if self.gradients_held and not self.in_backward:
+            raise RuntimeError(
+                "a backward pass after a synchronised one and before optimizer.step(): run all but the "
+                "last backward of a step inside gradsync.no_sync(model), or sum the losses before one "
+                "backward (after a step skipped on purpose, as a GradScaler does, call "
+                "optimizer.zero_grad() first)")
+
     def _begin_backward(self) -> None:
         self.silent.update(m for m in self.layout.owners if m not in self.ran_forward)
         self.flush_deferred()
@@ -187,7 +200,7 @@ class GradSync:
 
     def _end_backward(self) -> None:
         self.in_backward = False
-        self.backward_synced = True
+        self.backward_synced = self.gradients_held = True
         self.executor.end_backward()
         for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
             previous, self.executor = self.executor, self.executors[layout]
@@ -227,7 +240,7 @@ class GradSync:
                 "optimizer.step() without a synchronised backward pass: call backward() outside "
                 "gradsync.no_sync() before stepping, or the replicas would diverge"
             )
-        self.backward_synced = False
+        self.backward_synced = self.gradients_held = False
         executor = self.executor
         self._wait(executor, executor.wait_all if self.nonfinite == "skip" else executor.wait_before_step)
         if executor.skip_step:
@@ -299,6 +312,9 @@ class GradSync:
         self.flush_deferred()
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        if self.gradients_held:  # a step skipped on purpose: its ops must not write after the zeroing
+            self._wait(self.executor, self.executor.wait_all)
+            self.gradients_held = False
         for module_name, names in self.layout.owners.items():
             if module_name in self.pending:
                 self.zero_after[module_name] = set_to_none
