@@ -74,6 +74,26 @@ def test_a_second_backward_before_the_step_is_refused_and_the_first_stands(insid
         assert difference < 1e-6
 
 
+def wrapped_twice(rank, world_size):
+    """A second wrap of a wrapped model is refused; after detach, wrapping again works."""
+    model = TiedNet()
+    gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                  profile=synthetic_profile(model), cost=COST)
+    with pytest.raises(ConfigError, match="already wrapped by gradsync"):
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                      profile=synthetic_profile(model), cost=COST)
+    attached(model).detach()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     profile=synthetic_profile(model), cost=COST)
+    _loss(model, rank, 0).backward()
+    optimizer.step()
+    return attached(model).iteration
+
+
+def test_a_model_takes_one_runtime_at_a_time():
+    assert run_local(wrapped_twice, 2) == [1, 1]
+
+
 def skipped_step_then_zero_grad(rank, world_size):
     """A step skipped on purpose (as a GradScaler does on overflow), zero_grad, then a full step: as
     torch DDP does the same."""

@@ -18,7 +18,7 @@ from ..topology import Topology, complete
 from ..topology.allreduce import check_group_size
 from .arguments import WrapArguments, check_wrap_arguments
 from .channels import Channels
-from .engine import GradSync, IterationStats, _broadcast_from_first, attached, no_sync
+from .engine import GradSync, IterationStats, _broadcast_from_first, attached, check_not_attached, no_sync
 from .executor import NonFiniteGradient
 from .layout import ParameterLayout
 from .measure import CALIBRATION_OPTIONS, CALIBRATION_PLANNER, ProfileCalibration, measure_cost
@@ -78,6 +78,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     """``wrap`` with arguments already checked by ``check_wrap_arguments``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_not_attached(model)
     layout = ParameterLayout.of(model)
     layout.check_optimizer(optimizer)
     if arguments.profile is not None:

@@ -436,6 +436,13 @@ def attached(model) -> GradSync:
     return _ATTACHED[model]
 
 
+def check_not_attached(model) -> None:
+    """A model takes one runtime at a time: a second would launch every gradient's ops twice."""
+    if model in _ATTACHED:
+        raise ConfigError("this model is already wrapped by gradsync: detach that runtime first "
+                          "(gradsync.runtime.attached(model).detach())")
+
+
 @contextmanager
 def no_sync(model):
     """Accumulate gradients locally inside the block, like DDP's ``no_sync``: the first backward
