@@ -190,6 +190,13 @@ def check_rate(gbps, what: str) -> float:
     return float(gbps)
 
 
+def _check_latency(value, what: str) -> float:
+    """A latency: a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def _parse_link(entry, position: int) -> list[Link]:
     where = f"topology.links[{position}]"
     if not isinstance(entry, dict):
@@ -200,10 +207,7 @@ def _parse_link(entry, position: int) -> list[Link]:
     if "bandwidth" not in entry:
         raise ConfigError(f"{where}: missing bandwidth")
     gbps = parse_bandwidth(entry["bandwidth"], where)
-    latency_us = entry.get("latency_us", 0.0)
-    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not 0 <= latency_us < math.inf:
-        raise ConfigError(f"{where}.latency_us must be a finite number >= 0, got {latency_us!r}")
-    latency = latency_us * 1e-6
+    latency = _check_latency(entry.get("latency_us", 0.0), f"{where}.latency_us") * 1e-6
     if "between" in entry:
         pair = entry["between"]
         if not isinstance(pair, list) or len(pair) != 2 or "from" in entry or "to" in entry:
@@ -230,10 +234,7 @@ def _validate(topology: Topology) -> None:
         if link.src == link.dst:
             raise ConfigError(f"topology.links: self-loop on {link.src!r}")
         check_rate(link.gbps, f"topology.links: bandwidth of {link.src}->{link.dst}")
-        if isinstance(link.latency, bool) or not isinstance(link.latency, (int, float)) \
-                or not 0 <= link.latency < math.inf:
-            raise ConfigError(f"topology.links: latency of {link.src}->{link.dst} must be a finite number >= 0, "
-                              f"got {link.latency!r}")
+        _check_latency(link.latency, f"topology.links: latency of {link.src}->{link.dst}")
         if (link.src, link.dst) in seen:
             raise ConfigError(f"topology.links: link {link.src}->{link.dst} given twice (sum the bandwidths)")
         seen.add((link.src, link.dst))
