@@ -189,3 +189,39 @@ def test_deferred_waits_leave_every_update_to_the_next_forward_and_train_like_dd
             assert 1 <= most_calls <= ops, (name, most_calls, ops)  # one call per module would be `owners`
             assert error < 1e-5, (name, error)
         assert results["optimal_merge"][4] < results["optimal_merge"][2]  # its ops carry several modules
+
+
+def state_dicts_hold_the_deferred_updates(rank, world_size):
+    """With every update deferred into the next forward: the model's state_dict() after a step
+    holds DDP's weights, and a load_state_dict() in that state is not overwritten by the update
+    the step owed. Returns the distance to DDP and to the loaded weights, and the pending modules."""
+    model, reference = _models(seed=4)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                     scheduler="optimal_merge", profile=synthetic_profile(model), cost=COST,
+                                     overlap_forward=True)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        for net, opt in ((model, optimizer), (reference, ref_optimizer)):
+            opt.zero_grad()
+            _loss(net, rank, step).backward()
+            opt.step()
+    pending_after_step = len(attached(model).pending)
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    to_ddp = max((saved[name] - q).abs().max().item()
+                 for (name, _), q in zip(model.named_parameters(), reference.parameters()))
+    optimizer.zero_grad()
+    _loss(model, rank, 3).backward()
+    optimizer.step()  # owes another update
+    model.load_state_dict(saved)
+    with torch.no_grad():
+        model(batch(rank, 4)[0], use_rank0_branch=rank == 0)  # a forward applies what is still owed
+    to_loaded = max((saved[name] - p).abs().max().item() for name, p in model.named_parameters())
+    attached(model).detach()
+    return pending_after_step, to_ddp, to_loaded
+
+
+def test_state_dicts_apply_deferred_updates_first():
+    for pending, to_ddp, to_loaded in run_local(state_dicts_hold_the_deferred_updates, 2):
+        assert pending > 0  # the step did leave updates to the next forward
+        assert to_ddp < 1e-5
+        assert to_loaded == 0

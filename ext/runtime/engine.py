@@ -8,7 +8,8 @@ Lifecycle of one iteration:
    per channel as their slices become ready; when the backward pass ends, the remaining
    (forward-phase) ops launch;
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
-   parameters whose ops are complete; the others are updated by step 1 of the next iteration.
+   parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
+   when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
 While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it
 (made again once a codec warming up has reached its steady state: gradsync.runtime.measure).
 Then the predictions follow the computation's measured speed (gradsync.runtime.compute_speed).
@@ -99,7 +100,9 @@ class GradSync:
         self.comm_wait = 0.0
         self.update_time = 0.0
         self.optimizer = None
-        self.handles = [model.register_forward_pre_hook(self._root_pre_forward)]
+        self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
+                        model.register_state_dict_pre_hook(lambda *_: self.flush_deferred()),
+                        model.register_load_state_dict_pre_hook(lambda *_: self.flush_deferred())]
         for name, parameter in layout.parameters.items():
             self.handles.append(parameter.register_hook(self._refuse_second_backward))
             self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
@@ -216,7 +219,7 @@ class GradSync:
             self.forward_started = time.perf_counter()
         for module_name in [m for m in self.pending if m in self.silent]:
             self._apply_deferred(module_name)
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and torch.is_grad_enabled():  # as DDP: not in evaluation, which may run on one rank
             with self._updating():  # serial work before the forward, as the optimizer step is
                 _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
         if self.measurement is not None:
@@ -389,9 +392,11 @@ class GradSync:
             handle.remove()
         self.handles = []
         _ATTACHED.pop(self.model, None)
-        if self.trace is not None:
-            self.trace.close()
-        self.channels.destroy()
+        try:
+            if self.trace is not None:
+                self.trace.close()
+        finally:
+            self.channels.destroy()
 
 
 def _zero_one(parameter, set_to_none: bool) -> None:
