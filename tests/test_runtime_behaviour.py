@@ -413,7 +413,14 @@ def test_trace_and_stats(tmp_path):
         ({"timeout": 0}, "'timeout' must be a finite number"),
         ({"timeout": float("nan")}, "'timeout' must be a finite number"),
         ({"timeout": float("inf")}, "'timeout' must be a finite number"),
+        ({"timeout": 1e-9}, "'timeout' must be a finite number of seconds >= 0.001"),  # 0 ms: no timeout
         ({"broadcast_buffers": "yes"}, "'broadcast_buffers' must be true or false"),
+        ({"trace": "/nonexistent-folder/trace.json"}, "no such folder '/nonexistent-folder'"),
+        ({"trace": "/"}, "is a folder"),
+        ({"scheduler": "bytescheduler", "credit": 5, "channels": 1}, "raise 'channels' to 5"),
+        ({"scheduler": ["wfbp"]}, "unknown scheduler"),
+        ({"compressor": ""}, "unknown compressor ''"),
+        ({"compressor": {"type": None}}, "unknown compressor None"),
     ],
 )
 def test_bad_arguments_fail_before_any_collective(kwargs, message):
@@ -430,6 +437,37 @@ def test_foreign_optimizer_parameters_and_frozen_models_are_refused():
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
         gradsync.wrap(frozen, torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_modules_with_sparse_gradients_are_refused():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"modules \['0'\] make sparse gradients"):
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def evaluation_on_the_first_rank_alone(rank, world_size):
+    """Rank 0 evaluates alone (no_grad), then both train a step: the buffers (BatchNorm's running
+    statistics) travel only with training forwards, as with DDP. Returns the buffers after it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     profile=synthetic_profile(model), cost=COST, timeout=20)
+    model[1].running_mean.fill_(rank)  # different per rank until the next training forward
+    inputs = torch.randn(6, 4)
+    if rank == 0:
+        with torch.no_grad():
+            model.eval()(inputs)
+        model.train()
+    model(inputs).sum().backward()
+    optimizer.step()
+    buffers = [b.tolist() for b in model[1].buffers()]
+    attached(model).detach()
+    return buffers
+
+
+def test_an_evaluation_forward_on_one_rank_runs_no_collective():
+    first, second = run_local(evaluation_on_the_first_rank_alone, 2, timeout=120)
+    assert first == second  # the training forward gave every rank rank 0's buffers (same inputs)
 
 
 def test_profile_that_does_not_match_the_model_is_refused():

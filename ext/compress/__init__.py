@@ -23,8 +23,8 @@ def names() -> list[str]:
 
 def get(name: str | None, **options) -> Codec:
     """The codec `name` built with `options` (None means no compression)."""
-    name = name or "identity"
-    if name not in _CODECS:
+    name = "identity" if name is None else name
+    if not isinstance(name, str) or name not in _CODECS:
         raise unknown_name("compressor", name, _CODECS)
     module, cls = _CODECS[name].split(":")
     codec_class = getattr(import_module(f"{__name__}.{module}"), cls)
@@ -43,6 +43,8 @@ def build(spec) -> Codec:
         options = dict(spec)
         if "type" not in options:
             raise ConfigError(f"'compressor' dict needs a 'type' key (one of: {', '.join(names())})")
+        if not isinstance(options["type"], str):
+            raise unknown_name("compressor", options["type"], _CODECS)
         return get(options.pop("type"), **options)
     if spec is None or isinstance(spec, str):
         return get(spec)

@@ -27,7 +27,7 @@ def names() -> list[str]:
 
 def get(name: str) -> Callable:
     """The planner function registered under `name`."""
-    if name not in _MODULES:
+    if not isinstance(name, str) or name not in _MODULES:
         raise unknown_name("scheduler", name, _MODULES)
     return import_module(f"{__name__}.{_MODULES[name]}").plan
 

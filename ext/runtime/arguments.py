@@ -16,7 +16,12 @@ from ..topology import Topology, load as load_topology, preset as topology_prese
 from .executor import check_nonfinite_mode
 
 TRANSPORTS = ("allreduce", "forest")
+MIN_TIMEOUT = 1e-3  # the process groups count milliseconds: less would round to 0, "wait forever"
 MAX_TIMEOUT = timedelta.max.total_seconds()  # what the process group's timedelta can hold
+# A probe model for the planner options: enough layers, ready at once, for a planner to use every
+# channel its options allow
+PROBE = ModelProfile("probe", tuple(LayerProfile(f"layer{i}", (TensorSpec(f"x{i}", 1 << 16),), 1e-6, 1e-6)
+                                    for i in range(16)))
 
 
 @dataclass
@@ -51,8 +56,8 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     count = 2 if channels is None else channels
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"'channels' must be an integer >= 1, got {channels!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT:
-        raise ConfigError(f"'timeout' must be a finite number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:
+        raise ConfigError(f"'timeout' must be a finite number of seconds >= {MIN_TIMEOUT}, got {timeout!r}")
     if not isinstance(broadcast_buffers, bool):
         raise ConfigError(f"'broadcast_buffers' must be true or false, got {broadcast_buffers!r}")
     check_nonfinite_mode(nonfinite)
@@ -61,13 +66,16 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
                                ("plan_trials", plan_trials, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(f"{name!r} must be an integer >= {least}, got {value!r}")
-    if trace is not None and not isinstance(trace, (str, Path)):
-        raise ConfigError(f"'trace' must be a file path, got {trace!r}")
+    if trace is not None:
+        _check_trace(trace)
     planner_options = dict(options)
     if "channels" in planners.option_names(scheduler):
         planner_options["channels"] = count
-    probe = ModelProfile("probe", (LayerProfile("layer", (TensorSpec("x", 1024),), 1e-3, 1e-3),))
-    planner(probe, CostModel(1e-4, 1e-9), **planner_options)  # rejects unknown or bad planner options
+    probe = planner(PROBE, CostModel(1e-4, 1e-9), **planner_options)  # rejects unknown or bad planner options
+    if probe.channels > count:
+        raise ConfigError(f"scheduler {scheduler!r} with options {options} runs up to {probe.channels} ops at "
+                          f"once, one per channel, and 'channels' is {count}: raise 'channels' to "
+                          f"{probe.channels}")
     return WrapArguments(
         scheduler=scheduler, codec=codec, channels=count,
         profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
@@ -98,6 +106,18 @@ def _topology(transport: str, topology, codec: Codec) -> Topology | None:
             raise ConfigError(f"'topology': no such file {str(topology)!r}")
         return topology_preset(str(topology))
     raise ConfigError(f"'topology' must be a Topology, a preset name or a file path, got {type(topology).__name__}")
+
+
+def _check_trace(trace) -> None:
+    """Each rank writes its trace beside `trace` (a file path) when the runtime detaches: its
+    folder must exist now, not at the end of the run."""
+    if not isinstance(trace, (str, Path)) or not str(trace):
+        raise ConfigError(f"'trace' must be a file path, got {trace!r}")
+    path = Path(trace)
+    if path.is_dir():
+        raise ConfigError(f"'trace' must be a file path, {str(trace)!r} is a folder")
+    if not path.parent.is_dir():
+        raise ConfigError(f"'trace': no such folder {str(path.parent)!r}")
 
 
 def _read_json(path):

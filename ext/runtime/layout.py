@@ -36,6 +36,11 @@ class ParameterLayout:
                 modules[module_name] = module
         if not parameters:
             raise ConfigError("model has no trainable parameters: nothing to synchronise")
+        sparse = [name for name, module in modules.items()
+                  if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse]
+        if sparse:
+            raise ConfigError(f"modules {sparse} make sparse gradients (sparse=True), which gradsync cannot "
+                              "all-reduce: construct them with sparse=False")
         return cls(parameters, owners, modules)
 
     @property
