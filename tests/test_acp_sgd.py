@@ -318,6 +318,24 @@ def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_ever
     assert run_local(non_finite_skipped, 2) == [(True, True, True)] * 2
 
 
+@pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
+def test_a_non_finite_step_let_through_leaves_the_next_steps_finite(name):
+    """nonfinite="ignore" (as under a GradScaler, which skips the step): the averaged factors of an
+    overflowing step hold inf or NaN and must not become the next step's query or warm start."""
+    codec = compress.get(name, rank=2, min_compression_rate=0)
+    codec.setup({"w": TensorSpec("w", 12 * 10, 4, (12, 10))}, 1, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(4):
+        gradient = torch.randn(12, 10, generator=generator) * (float("inf") if step == 0 else 1.0)
+        parameter = nn.Parameter(torch.zeros(12, 10))
+        parameter.grad = gradient
+        for _ in codec.rounds(step):
+            wire = codec.encode("w", parameter.grad, step)
+            codec.reduced_target("w", parameter, step).copy_(wire)
+            codec.finish("w", parameter, step)
+        assert bool(torch.isfinite(parameter.grad).all()) == (step > 0), step
+
+
 def test_fusion_thresholds_shrink_by_the_compression_rate():
     from gradsync.compress.planning import scale_byte_options
     from gradsync.planners import get

@@ -178,11 +178,11 @@ class ACPSGD(Codec):
         if query is None:  # this rank had neither gradient nor error and sent zeros; the factors stay shared
             query = self._query(name, layout, step, averaged)
         if layout == P_STEP:
-            left = self.p_prev[name] = averaged.view(n, r).clone()
-            right = self.q_prev[name] = query
+            left, right = averaged.view(n, r), query
         else:
-            right = self.q_prev[name] = averaged.view(m, r).clone()
-            left = self.p_prev[name] = query
+            left, right = query, averaged.view(m, r)
+        if all_finite(averaged):  # a step with inf or NaN (an fp16 overflow, skipped) is not the next one's query
+            self.p_prev[name], self.q_prev[name] = left.clone(), right.clone()
         gradient = super().reduced_target(name, parameter, step).view(n, m)
         write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
 

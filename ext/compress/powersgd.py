@@ -176,7 +176,8 @@ class PowerSGD(Codec):
             error = self._error(name, matrix)
             if all_finite(matrix, basis, q_mean):
                 subtract_low_rank(matrix, error, basis, q_mean)
-        self.q_prev[name] = q_mean.clone()
+        if all_finite(q_mean):  # a step with inf or NaN (an fp16 overflow, skipped) is no warm start
+            self.q_prev[name] = q_mean.clone()
         gradient = super().reduced_target(name, parameter, step)  # parameter.grad, flat
         write_low_rank(gradient.view(n, m), basis, q_mean)
 
