@@ -10,6 +10,7 @@ from gradsync.topology import (BROADCAST, OVERLAP, REDUCE, ForestPacking, Link, 
                                baseline_time, cluster, complete, dgx1, largest_remainder, load, nccl_double_tree,
                                plan_forest, preset, ring)
 from gradsync.topology.arborescence import min_in_arborescence, min_out_arborescence
+from gradsync.topology.packing import _Graph, _cut_bound
 from gradsync.topology.cli import add_topo_commands, run_topo
 
 
@@ -128,6 +129,22 @@ def test_relay_star_hand_computed():
     packing = plan_forest(topology)
     assert packing.throughput == pytest.approx(0.75, rel=1e-7)
     assert packing.gap == pytest.approx(0.0, abs=1e-7)
+    _check_feasible(packing, topology)
+
+
+def test_cut_bound_of_problem_8_with_a_relay_counts_only_what_leaves_the_workers():
+    # three workers reach each other through a relay, 10 to it and 1 from it. Reduce tree to v:
+    # the others send to the relay, which sends x_v on (relay, v): Σ x_v = X within the 3 units out
+    # of the relay. Broadcast trees use two of those units each: pure ones their own copy (8e),
+    # at most 3/2; overlapped ones what reduce leaves, (3 − X)/2. X <= 3/2 + (3 − X)/2 gives X <= 2,
+    # above the 3/2 the capacity into the workers would bound.
+    workers = ("a", "b", "c")
+    links = tuple(Link(w, "s", 10.0) for w in workers) + tuple(Link("s", w, 1.0) for w in workers)
+    topology = Topology(workers, links, relays=("s",))
+    packing = plan_forest(topology, problem="overlap")
+    assert packing.aggregate == pytest.approx(2.0, rel=1e-7)
+    assert _cut_bound(_Graph(topology, workers), "overlap") >= 2.0
+    assert _cut_bound(_Graph(topology, workers), "separate") == pytest.approx(1.5)  # (4): stages apart
     _check_feasible(packing, topology)
 
 

@@ -25,7 +25,7 @@ round budget can stop it earlier on large graphs; the packing then reports its g
 With relays or inactive workers, the result is a lower bound, reported with an upper bound on X: the directed-cut (multicommodity flow) relaxation of Steiner
 packing — root v's trees become link loads z^v with Σ_v z^v ≤ b, each terminal receiving a flow χ_v
 inside z^v (for reduce, on the reversed graph) — when it is small enough to solve, and always the cut
-bound (N − 1)·X ≤ Σ_{t active} (capacity into t).
+bound (N − 1)·X ≤ Σ_{t active} (capacity out of t), and into t except in (8).
 
 Few trees: weights below `prune` × the largest are dropped and the master re-solved on the rest.
 """
@@ -103,7 +103,7 @@ def plan_forest(topology: Topology, active=None, problem: str = "overlap", prune
         raise ConfigError(f"prune must be in [0, 1), got {prune}")
     active = topology.active_workers(active)
     graph = _Graph(topology, active)
-    cut = _cut_bound(graph)
+    cut = _cut_bound(graph, problem)
     master = _Master(graph, "single" if topology.symmetric else problem, seed_rounds)
     if max_rounds is None:
         max_rounds = int(np.clip(ROUND_BUDGET / (len(active) * len(graph.b)), 6, 1000))
@@ -372,11 +372,15 @@ def _depth_and_latency(graph: _Graph, parent: np.ndarray, kind: str) -> tuple[in
     return depth, latency
 
 
-def _cut_bound(graph: _Graph) -> float:
-    """(N − 1)·X ≤ capacity into the active workers (each root's trees enter every other active
-    worker), and likewise out of them for reduce trees."""
-    into = graph.capacity[:, graph.active].sum()
+def _cut_bound(graph: _Graph, problem: str = "separate") -> float:
+    """(N − 1)·X ≤ capacity out of the active workers (every other active worker sends on each root's
+    reduce tree), and into them where the broadcast trees share one copy of the links with
+    themselves only or, spanning every node, the reduce trees too. Not in (8) with relays: its
+    reduce trees may enter relays, and its pure broadcast trees have their own copy (8e)."""
     out_of = graph.capacity[graph.active, :].sum()
+    if problem == "overlap" and not graph.spanning:
+        return out_of / (len(graph.active) - 1)
+    into = graph.capacity[:, graph.active].sum()
     return min(into, out_of) / (len(graph.active) - 1)
 
 
