@@ -6,7 +6,9 @@
    clips at 1.0 by default): DeepSpeed's engine with gradsync beside a DistributedDataParallel
    reference run on the same batches in this process;
 2. ``acp_sgd`` with gradient clipping: losses, replica agreement, and a checkpoint round trip
-   through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches.
+   through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches;
+3. ``"nonfinite": "skip"`` with a NaN batch on rank 1, beside plain DeepSpeed (no gradsync section)
+   on the same batches without that one, both with a warm-up LR schedule.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gradsync.plan import FORWARD
 
 MICRO_BATCH, FEATURES, OUTPUTS = 8, 8, 4
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 10}}
 QUIET = {"steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
@@ -138,6 +141,38 @@ def compressed_with_checkpoint(rank: int, directory: Path) -> dict:
     return result
 
 
+def skipped_step_against_plain_deepspeed(rank: int, cost_path: str) -> dict:
+    """A step skipped for a NaN gradient must leave the weights and the LR schedule where plain
+    DeepSpeed has them without that batch, and count as skipped, as an fp16 overflow does."""
+    steps, skipped = 6, 2
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0, "optimizer": SGD,
+              "scheduler": WARMUP, **QUIET}
+    model = mlp()
+    engine, optimizer, _, _ = gradsync.deepspeed.initialize(
+        model=model, model_parameters=model.parameters(),
+        config={**config, "gradsync": {"scheduler": "wfbp", "cost": cost_path, "nonfinite": "skip"}})
+    for step in range(steps):
+        x, y = batch(rank, step)
+        if step == skipped and rank == 1:
+            x[0, 0] = float("nan")
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        if step == skipped:
+            applied_when_skipped = engine.was_step_applied()
+    optimizer.synchronize()
+    model = mlp()
+    plain, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for step in range(steps):
+        if step != skipped:
+            micro_step(plain, rank, step)
+    result = {"applied_when_skipped": applied_when_skipped, "skipped_steps": engine.skipped_steps,
+              "global_steps": (engine.global_steps, plain.global_steps), "lr": (engine.get_lr(), plain.get_lr()),
+              "max_abs_difference_to_plain": (flat(engine.module) - flat(plain.module)).abs().max().item()}
+    engine.destroy()
+    plain.destroy()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -156,7 +191,8 @@ def main() -> None:
               "uncompressed": uncompressed_equivalence(rank, str(cost_path), 0.0, {}),
               "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), 1.0,
                                                                {"transport": "forest", "topology": "complete-2"}),
-              "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint")}
+              "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint"),
+              "skip": skipped_step_against_plain_deepspeed(rank, str(cost_path))}
     result["seconds"] = time.perf_counter() - started
     if rank == 0:
         (args.out / "result.json").write_text(json.dumps(result, indent=1))

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,15 +33,30 @@ def no_deepspeed_start(monkeypatch):
     monkeypatch.setattr(deepspeed, "initialize", started)
 
 
-def refused(section: dict | None = None, **config) -> str:
+def refused(section: dict | None = None, *, model: nn.Module | None = None, **config) -> str:
     ds_config = {**BASE, **config}
     if section is not None:
         ds_config["gradsync"] = section
-    model = nn.Linear(4, 2)
+    model = nn.Linear(4, 2) if model is None else model
     with pytest.raises(ConfigError) as error:
         gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     assert not torch.distributed.is_initialized()
     return str(error.value)
+
+
+@pytest.fixture
+def attach_arguments(monkeypatch):
+    """Stub DeepSpeed's start and gradsync's attach: the checked arguments each initialize attached."""
+    arguments = []
+    monkeypatch.setattr(deepspeed, "initialize", lambda **kwargs: (SimpleNamespace(optimizer=None), None, None, None))
+    monkeypatch.setattr(gradsync.deepspeed.engine, "attach", lambda engine, checked: arguments.append(checked))
+    return arguments
+
+
+def accepted(section: dict, **config) -> None:
+    model = nn.Linear(4, 2)
+    gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config={**BASE, **config, "gradsync": section})
 
 
 def test_unknown_key_lists_valid_keys(no_deepspeed_start):
@@ -54,10 +70,62 @@ def test_zero_stage_other_than_0(no_deepspeed_start):
     assert "is 1" in refused({}, zero_optimization=True)  # DeepSpeed reads a bare true as stage 1
 
 
+@pytest.mark.parametrize("stage", [None, "abc", 0.5])
+def test_zero_stage_deepspeed_cannot_read(no_deepspeed_start, stage):
+    message = refused({}, zero_optimization={"stage": stage})
+    assert f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}" in message
+
+
+@pytest.mark.parametrize("stage", ["0", 0.0])
+def test_zero_stage_0_as_deepspeed_reads_it(attach_arguments, stage):
+    accepted({}, zero_optimization={"stage": stage})
+    assert len(attach_arguments) == 1
+
+
+def test_wrap_arguments_at_the_top_level(attach_arguments):
+    accepted({"scheduler": "wfbp", "warmup_iterations": 0, "measure_iterations": 2, "plan_trials": 1,
+              "broadcast_buffers": False})
+    [arguments] = attach_arguments
+    assert (arguments.warmup_iterations, arguments.measure_iterations, arguments.plan_trials,
+            arguments.broadcast_buffers) == (0, 2, 1, False)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"tensor_parallel": {"autotp_size": 2}}, "'tensor_parallel.autotp_size' 2"),
+    ({"sequence_parallel_size": 2}, "'sequence_parallel_size' 2"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 2}}, "'expert_parallel.enabled' True"),
+])
+def test_model_parallelism(no_deepspeed_start, changes, needle):
+    message = refused({}, **changes)
+    assert needle in message and "averages every parameter's gradient over all ranks" in message
+
+
+def test_moe_experts(no_deepspeed_start):
+    from deepspeed.moe.layer import MoE
+
+    model = nn.Sequential(nn.Linear(4, 4), MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2, ep_size=1))
+    message = refused({}, model=model)
+    assert "MoE" in message and "1.deepspeed_moe.experts.deepspeed_experts.0.weight" in message
+
+
+def test_sparse_gradients(no_deepspeed_start):
+    assert "sparse" in refused({}, model=nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+
+
+def test_communication_data_type_other_than_fp32(attach_arguments):
+    assert "'communication_data_type' 'fp16'" in refused({}, communication_data_type="fp16")
+    accepted({}, communication_data_type="fp32")
+    assert len(attach_arguments) == 1
+
+
 def test_compressor_with_compressed_optimizer(no_deepspeed_start):
     message = refused({"compressor": {"type": "acp_sgd", "rank": 4}},
                       optimizer={"type": "OneBitAdam", "params": {"lr": 1e-3}})
     assert "acp_sgd" in message and "onebitadam" in message
+
+
+def test_optimizer_not_an_object(no_deepspeed_start):
+    assert "'optimizer' must be an object" in refused({"compressor": "acp_sgd"}, optimizer="SGD")
 
 
 @pytest.mark.parametrize("section, needle", [
@@ -85,6 +153,10 @@ def test_bad_scheduler_names_key_and_choices(no_deepspeed_start):
     ({"compressor": {"type": "acp_sgd", "rnak": 4}}, "gradsync.compressor"),
     ({"options": {"channels": 3}}, "gradsync.options"),
     ({"options": [1]}, "gradsync.options"),
+    ({"scheduler": ["wfbp"]}, "gradsync.scheduler"),
+    ({"compressor": {"type": ["acp_sgd"]}}, "gradsync.compressor"),
+    ({"warmup_iterations": -1}, "gradsync.warmup_iterations"),
+    ({"broadcast_buffers": "no"}, "gradsync.broadcast_buffers"),
 ])
 def test_bad_values_name_the_key(no_deepspeed_start, section, key):
     assert key in refused(section)
@@ -173,3 +245,13 @@ def test_checkpoint_carries_gradsync_state(two_rank_job):
     assert result["checkpoint_per_rank_entries"] == 2  # each rank's error feedback
     assert (result["steps_before_load"], result["restored_sync_steps"]) == (24, 20)
     assert result["replay_max_abs_difference"] == 0.0
+
+
+def test_skipped_step_is_reported_to_deepspeed(two_rank_job):
+    """As plain DeepSpeed on the same batches without the skipped one, and counted as its fp16
+    overflow skips are (a global step, not applied, the LR schedule held)."""
+    result = two_rank_job["skip"]
+    assert (result["applied_when_skipped"], result["skipped_steps"], result["global_steps"]) == (False, 1, [6, 5])
+    gradsync_lr, plain_lr = result["lr"]
+    assert gradsync_lr == plain_lr
+    assert result["max_abs_difference_to_plain"] <= 1e-6

@@ -10,17 +10,22 @@ import inspect
 from contextlib import contextmanager
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.config import (get_managed_gradient_accumulation, get_torch_autocast_dtype,
                                       get_torch_autocast_enabled)
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from pydantic import ValidationError
+from torch import nn
 
 from ..compress import Codec
 from ..errors import ConfigError
 from ..runtime import WrapArguments, check_wrap_arguments, wrap
+from ..runtime.layout import ParameterLayout
 
 SECTION = "gradsync"
 KEYS = ("scheduler", "compressor", "channels", "profile", "cost", "trace", "timeout", "nonfinite", "options",
-        "transport", "topology")
+        "transport", "topology", "broadcast_buffers", "warmup_iterations", "measure_iterations", "plan_trials")
 # DeepSpeed optimizers that compress their own communication (the momentum, not the gradient)
 COMPRESSED_OPTIMIZERS = ("onebitadam", "onebitlamb", "zerooneadam")
 
@@ -83,29 +88,63 @@ def check_engine_config(ds_config: dict, codec: Codec, model, optimizer, mpu, me
     if not get_managed_gradient_accumulation(ds_config):
         raise ConfigError("gradsync needs 'managed_gradient_accumulation': true: it synchronises during the "
                           "backward pass of the accumulation boundary, which must be known before step()")
-    if optimizer is None and "optimizer" not in ds_config:
+    if ds_config.get("optimizer") is not None and not isinstance(ds_config["optimizer"], dict):
+        raise ConfigError(f"'optimizer' must be an object with a 'type', got {ds_config['optimizer']!r}")
+    if optimizer is None and ds_config.get("optimizer") is None:
         raise ConfigError("gradsync needs an optimizer: pass one or set 'optimizer' in the DeepSpeed config")
     if codec.name != "identity" and _optimizer_name(ds_config, optimizer) in COMPRESSED_OPTIMIZERS:
         raise ConfigError(f"'{SECTION}.compressor' {codec.name!r} cannot be combined with DeepSpeed's compressed "
                           f"optimizer {_optimizer_name(ds_config, optimizer)!r}: it compresses its own "
                           "communication; drop one of them")
-    if mpu is not None or mesh_param is not None:
-        raise ConfigError("gradsync averages over every rank: model or sequence parallelism (mpu, mesh_param) "
-                          "is not supported")
+    communication = ds_config.get("communication_data_type")
+    if communication is not None and str(communication).lower() != "fp32":
+        raise ConfigError(f"gradsync does not support 'communication_data_type' {communication!r}: it reduces "
+                          "the gradients in their own dtype; drop the setting or set \"fp32\"")
+    split = _model_parallelism(ds_config, mpu, mesh_param)
+    if split:
+        raise ConfigError("gradsync averages every parameter's gradient over all ranks, so it does not support "
+                          "DeepSpeed's model, tensor, sequence or expert parallelism (ranks holding different "
+                          f"shards, tokens or experts): {', '.join(split)}")
+    _check_model(model)
+
+
+def _model_parallelism(ds_config: dict, mpu, mesh_param) -> list[str]:
+    """The arguments and config settings that split the model, the sequence or the experts over ranks."""
+    tensor, expert = (ds_config[key] if isinstance(ds_config.get(key), dict) else {}
+                      for key in ("tensor_parallel", "expert_parallel"))
+    settings = [("mpu", mpu, (None,)), ("mesh_param", mesh_param, (None,)),
+                ("tensor_parallel.autotp_size", tensor.get("autotp_size", 0), (0, 1)),
+                ("sequence_parallel_size", ds_config.get("sequence_parallel_size", 1), (1,)),
+                ("expert_parallel.enabled", expert.get("enabled", False), (False,))]
+    return [f"'{key}' {value!r}" for key, value, unsplit in settings if value not in unsplit]
+
+
+def _check_model(model) -> None:
+    """Refuse a pipeline, MoE experts, and what the runtime's layout refuses (sparse gradients)."""
     from deepspeed.pipe import PipelineModule
 
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"'model' must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, PipelineModule):
         raise ConfigError("gradsync does not support DeepSpeed pipeline parallelism (PipelineModule)")
+    experts = [name for name, parameter in ParameterLayout.of(model).parameters.items() if is_moe_param(parameter)]
+    if experts:
+        raise ConfigError("gradsync averages every parameter's gradient over all ranks, so it does not support "
+                          f"DeepSpeed MoE layers: DeepSpeed reduces their {len(experts)} expert parameters (the "
+                          f"first: {experts[0]!r}) over their expert group only")
 
 
 def zero_stage(ds_config: dict) -> int:
-    """The ZeRO stage the config asks for (a bare boolean means stage 1, as DeepSpeed reads it)."""
+    """The ZeRO stage the config asks for, as DeepSpeed reads it (a bare boolean means stage 1)."""
     zero = ds_config.get("zero_optimization", {})
     if isinstance(zero, bool):
         return int(zero)
-    if isinstance(zero, dict):
-        return int(zero.get("stage", 0))
-    raise ConfigError(f"'zero_optimization' must be an object, got {type(zero).__name__}")
+    if not isinstance(zero, dict):
+        raise ConfigError(f"'zero_optimization' must be an object, got {type(zero).__name__}")
+    try:
+        return int(DeepSpeedZeroConfig(stage=zero.get("stage", 0)).stage)
+    except ValidationError:
+        raise ConfigError(f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {zero['stage']!r}") from None
 
 
 def _optimizer_name(ds_config: dict, optimizer) -> str:
@@ -121,5 +160,5 @@ def _planner_options(options) -> dict:
         raise ConfigError(f"must be an object of planner options, got {type(options).__name__}")
     reserved = sorted(set(options) & set(inspect.signature(wrap).parameters))
     if reserved:
-        raise ConfigError(f"{reserved} are not planner options; set them at the top level of '{SECTION}'")
+        raise ConfigError(f"{reserved} are not planner options (the keys of '{SECTION}' itself: {', '.join(KEYS)})")
     return options

@@ -7,7 +7,10 @@ gradient accumulation, LR scheduling, checkpoints); gradsync replaces its gradie
   accumulation boundary (the other micro-batches accumulate locally, as under ``no_sync``);
 - ``engine.optimizer`` becomes gradsync's SyncedOptimizer, so the ``optimizer.step()`` DeepSpeed
   calls at the boundary waits for the ops and applies (or defers) the update, and the optimizer
-  state DeepSpeed checkpoints carries gradsync's codec state and step.
+  state DeepSpeed checkpoints carries gradsync's codec state and step;
+- a step skipped for non-finite gradients (``"nonfinite": "skip"``) is the optimizer's
+  ``overflow``, as DeepSpeed's fp16 optimizers report one: the engine counts it in
+  ``skipped_steps``, ``was_step_applied()`` is False and the LR scheduler does not advance.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from functools import cache
 
 import deepspeed
 
-from ..runtime import WrapArguments, attach as attach_runtime, attached, no_sync
+from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, no_sync
 from .config import SECTION, check_engine_config, resolve, wrap_arguments
 
 
@@ -44,9 +47,18 @@ def attach(engine, arguments: WrapArguments) -> None:
     ``engine.gradsync`` is the runtime (``.history``, ``.plans``)."""
     _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
     engine.enable_backward_allreduce = False
-    engine.optimizer = synced
+    engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.gradsync = attached(engine.module)
     engine.__class__ = _with_gradsync(type(engine))
+
+
+class DeepSpeedSyncedOptimizer(SyncedOptimizer):
+    """SyncedOptimizer with the ``overflow`` flag DeepSpeed's engine reads after ``step()``."""
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step was skipped for non-finite gradients (on every rank)."""
+        return self.sync.executor is not None and self.sync.executor.skip_step
 
 
 class GradSyncEngine:
