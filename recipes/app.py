@@ -31,11 +31,12 @@ from ..launch import RankFailed, run_local
 from . import schema, wandb_logging
 
 
-def train(cfg: DictConfig, output_dir: Path, overrides: tuple[str, ...] = ()) -> dict:
-    """Check `cfg`, run the job on `cfg.trainer.devices` local ranks, write `result.json` in
-    `output_dir` (with the job's command-line `overrides`, which label it in a sweep summary),
-    print the report and return rank 0's result."""
-    schema.check(cfg)
+def train(cfg: DictConfig, output_dir: Path, overrides: tuple[str, ...] = (), directions: list | None = None) -> dict:
+    """Check `cfg` (with the `directions` of the sweeper optimising its objectives, if any), run the
+    job on `cfg.trainer.devices` local ranks, write `result.json` in `output_dir` (with the job's
+    command-line `overrides`, which label it in a sweep summary), print the report and return rank
+    0's result."""
+    schema.check(cfg, directions)
     job = OmegaConf.to_container(cfg, resolve=True)
     build_strategy(job)  # the strategy checks its own arguments here, before any rank starts
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -176,13 +177,22 @@ def objective_values(result: dict, names) -> float | list[float]:
     return chosen[0] if len(chosen) == 1 else chosen
 
 
+def sweeper_directions(sweeper: DictConfig) -> list | None:
+    """The directions of an optimising sweeper (Optuna's: one per objective); None for others."""
+    direction = sweeper.get("direction")
+    if direction is None:
+        return None
+    return list(direction) if OmegaConf.is_list(direction) else [direction]
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def _hydra_main(cfg: DictConfig) -> float | list[float]:
     """One Hydra job; returns its objectives (what an Optuna sweeper optimises)."""
     hydra_cfg = HydraConfig.get()
     try:
-        result = train(cfg, Path(hydra_cfg.runtime.output_dir), tuple(hydra_cfg.overrides.task))
-    except (ConfigError, RankFailed) as exc:
+        result = train(cfg, Path(hydra_cfg.runtime.output_dir), tuple(hydra_cfg.overrides.task),
+                       sweeper_directions(hydra_cfg.sweeper))
+    except (ConfigError, RankFailed, TimeoutError) as exc:
         print(f"gradsync-train: error: {exc}", file=sys.stderr)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and runs the others

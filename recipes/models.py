@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import unknown_name
+from ..errors import ConfigError, unknown_name
 
 
 def small_cnn(classes: int = 10, channels: int = 1) -> nn.Module:
@@ -26,6 +26,8 @@ class SmallTransformer(nn.Module):
 
     def __init__(self, vocab: int = 256, classes: int = 10, width: int = 64, layers: int = 2, heads: int = 4):
         super().__init__()
+        if width % heads:
+            raise ConfigError(f"transformer: 'width' ({width}) must be a multiple of 'heads', got {heads!r}")
         self.embed = nn.Embedding(vocab, width)
         layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)

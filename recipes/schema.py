@@ -3,10 +3,13 @@
 `Config` is registered in Hydra's ConfigStore as ``gradsync_schema``; the primary config
 (recipes/conf/config.yaml) lists it first in its defaults, so every config group file and every
 command-line override is merged into typed fields. `check` then rejects values of the right type
-that gradsync or Lightning would refuse later (inside the ranks), naming the key and the choices.
+that gradsync or Lightning would refuse later (inside the ranks), naming the key and the choices;
+it builds the data set and the model as a rank would, to check that they fit each other.
 """
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -22,6 +25,11 @@ LOGGERS = ("wandb", "csv", "none")
 OBJECTIVES = ("final_accuracy", "throughput", "iteration_ms")  # what a job returns to a sweeper
 MODEL_INPUTS = {"cnn": "images", "mlp": "images", "transformer": "tokens"}  # what each model reads
 DATA_KINDS = {"digits": "images", "synthetic_images": "images", "synthetic_tokens": "tokens"}
+# the options of the data sets and models that count something: integers >= 1
+COUNTS = ("samples", "size", "length", "vocab", "classes", "inputs", "hidden", "channels", "width", "layers", "heads")
+MODEL_FROM_DATA = {"classes": "classes", "inputs": "features", "vocab": "vocab"}  # model option: data value it reads
+RECIPE_SET = ("rank", "world_size", "batch_size", "seed")  # data set arguments the recipe sets, not options
+MAX_SEED = 2**32 - 1  # Lightning's seed_everything (numpy's seeds)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING  # gradsync.recipes.data name
+    # what the data set gives (checked; the models' options read them, the synthetic sets' options too)
     classes: int = 10
     features: int = MISSING  # values per sample (pixels or tokens)
     vocab: Optional[int] = None  # token data only
@@ -114,9 +123,11 @@ def _at_least(key: str, value, low) -> None:
         raise ConfigError(f"{key} must be >= {low}, got {value!r}")
 
 
-def check(cfg: DictConfig) -> None:
-    """Raise ConfigError (naming the key and the valid choices) for any value the job would refuse."""
-    _check_strategy(cfg.strategy)
+def check(cfg: DictConfig, directions: Optional[List[str]] = None) -> None:
+    """Raise ConfigError (naming the key and the valid choices) for any value the job would refuse;
+    `directions`: those of the sweeper optimising the job's objectives (one per objective), if any.
+    Builds the data set (rank 0's shard) and the model here, as a rank would."""
+    _check_strategy(cfg.strategy, cfg.trainer.devices)
     _choice("model.name", cfg.model.name, models.MODELS)
     _choice("data.name", cfg.data.name, data.DATASETS)
     reads, gives = MODEL_INPUTS[cfg.model.name], DATA_KINDS[cfg.data.name]
@@ -127,11 +138,13 @@ def check(cfg: DictConfig) -> None:
     _check_trainer(cfg.trainer)
     _check_cluster(cfg.cluster, cfg.trainer.devices)
     _choice("logger.kind", cfg.logger.kind, LOGGERS)
-    for objective in cfg.objectives:
-        _choice("objectives", objective, OBJECTIVES)
+    _check_objectives(list(cfg.objectives), directions)
+    _check_model(cfg.model, cfg.data.name, _check_data(cfg))
 
 
-def _check_strategy(strategy: DictConfig) -> None:
+def _check_strategy(strategy: DictConfig, ranks: int) -> None:
+    from pytorch_lightning.strategies import StrategyRegistry
+
     _choice("strategy.name", strategy.name, strategy_names())
     if strategy.name == "ddp":
         chosen = [key for key in ("scheduler", "compressor") if strategy[key] is not None]
@@ -151,6 +164,10 @@ def _check_strategy(strategy: DictConfig) -> None:
             compress.get(name, **codec)
         except ConfigError as exc:
             raise ConfigError(f"strategy.compressor: {exc}") from exc
+    transport = {**StrategyRegistry[strategy.name]["init_params"], **strategy.options}.get("transport")
+    if transport == "forest" and ranks < 2:
+        raise ConfigError(f"trainer.devices: strategy {strategy.name!r} packs reduce/broadcast trees (transport "
+                          f"'forest'), which needs 2 or more ranks, got {ranks}")
 
 
 def _check_trainer(trainer: DictConfig) -> None:
@@ -160,8 +177,10 @@ def _check_trainer(trainer: DictConfig) -> None:
     _at_least("trainer.batch_size", trainer.batch_size, 1)
     _at_least("trainer.devices", trainer.devices, 1)
     _at_least("trainer.log_every_n_steps", trainer.log_every_n_steps, 1)
-    if not trainer.lr > 0:
-        raise ConfigError(f"trainer.lr must be > 0, got {trainer.lr!r}")
+    if not 0 < trainer.lr < math.inf:
+        raise ConfigError(f"trainer.lr must be a finite number > 0, got {trainer.lr!r}")
+    if not 0 <= trainer.seed <= MAX_SEED:
+        raise ConfigError(f"trainer.seed must be in 0..{MAX_SEED}, got {trainer.seed!r}")
     if not 0 <= trainer.momentum < 1:
         raise ConfigError(f"trainer.momentum must be in [0, 1), got {trainer.momentum!r}")
 
@@ -171,8 +190,8 @@ def _check_cluster(cluster: DictConfig, ranks: int) -> None:
     backends = ("gloo", "nccl") if cluster.accelerator == "gpu" else ("gloo",)
     _choice("cluster.backend", cluster.backend, backends)
     _at_least("cluster.threads", cluster.threads, 1)
-    if not cluster.timeout > 0:
-        raise ConfigError(f"cluster.timeout must be > 0 seconds, got {cluster.timeout!r}")
+    if not 0 < cluster.timeout < math.inf:
+        raise ConfigError(f"cluster.timeout must be a finite number of seconds > 0, got {cluster.timeout!r}")
     if cluster.accelerator == "gpu":
         import torch
 
@@ -181,3 +200,75 @@ def _check_cluster(cluster: DictConfig, ranks: int) -> None:
             raise ConfigError(f"trainer.devices: {ranks} GPU rank(s) asked for, {available} visible; "
                               f"valid: 1..{available}" if available else
                               "cluster.accelerator: 'gpu' but no CUDA device is visible; valid here: cpu")
+
+
+def _check_data(cfg: DictConfig) -> data.Split:
+    """Rank 0's shard of the data set, built as the ranks will build theirs: its options checked,
+    what it gives against cfg.data, a rank's share against the batch size."""
+    name = cfg.data.name
+    _at_least("data.classes", cfg.data.classes, 1)
+    options = _options("data.options", name, data.DATASETS[name],
+                       OmegaConf.to_container(cfg.data.options, resolve=True))
+    try:
+        split = data.load(name, rank=0, world_size=cfg.trainer.devices, batch_size=cfg.trainer.batch_size,
+                          seed=cfg.trainer.seed, **options)
+    except ConfigError as exc:
+        raise ConfigError(f"data.options: {exc}") from exc
+    for key in ("classes", "features", "vocab"):
+        value = getattr(split, key)
+        if cfg.data[key] != value:
+            raise ConfigError(f"data.{key}: data {name!r} has {key} {value}, got {cfg.data[key]!r}")
+    if not len(split.train):
+        raise ConfigError(f"trainer.batch_size: {cfg.trainer.batch_size} is more than the {len(split.train.dataset)} "
+                          f"training samples each of the {cfg.trainer.devices} ranks gets from data {name!r}")
+    return split
+
+
+def _check_model(model: DictConfig, data_name: str, split: data.Split) -> None:
+    """The model's options checked, those that describe the data against what `split` gives; the
+    model built and run on one test sample."""
+    options = _options("model.options", model.name, models.MODELS[model.name],
+                       OmegaConf.to_container(model.options, resolve=True))
+    arguments = {**_defaults(models.MODELS[model.name]), **options}
+    for option, key in MODEL_FROM_DATA.items():
+        if option in arguments and arguments[option] != getattr(split, key):
+            raise ConfigError(f"model.options.{option}: data {data_name!r} has {key} {getattr(split, key)}, "
+                              f"got {arguments[option]!r}")
+    try:
+        network = models.build(model.name, **options)
+    except ConfigError as exc:
+        raise ConfigError(f"model.options: {exc}") from exc
+    sample = split.test.dataset.tensors[0][:1]
+    try:
+        network(sample)
+    except RuntimeError as exc:  # a shape the explicit checks above do not cover (e.g. image channels)
+        raise ConfigError(f"model.options: model {model.name!r} cannot read a sample of data {data_name!r} "
+                          f"(shape {list(sample.shape[1:])}): {exc}") from exc
+
+
+def _defaults(function) -> dict:
+    """`function`'s parameters and their defaults, less those the recipe sets."""
+    return {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
+            if name not in RECIPE_SET}
+
+
+def _options(key: str, name: str, function, options: dict) -> dict:
+    """`options` (the value of `key`) of data set or model `name`, checked: the names of `function`'s
+    parameters, counts integers >= 1."""
+    valid = _defaults(function)
+    for option, value in options.items():
+        if option not in valid:
+            raise ConfigError(f"{key}: {unknown_name(f'{name} option', option, valid)}")
+        if option in COUNTS and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}.{option} must be an integer >= 1, got {value!r}")
+    return options
+
+
+def _check_objectives(objectives: list, directions: Optional[list]) -> None:
+    if not objectives:
+        raise ConfigError(f"objectives: give one or more; valid: {', '.join(OBJECTIVES)}")
+    for objective in objectives:
+        _choice("objectives", objective, OBJECTIVES)
+    if directions is not None and len(directions) != len(objectives):
+        raise ConfigError(f"objectives: {len(objectives)} given ({', '.join(objectives)}) but the sweeper optimises "
+                          f"{len(directions)} ({', '.join(map(str, directions))}): give one objective per direction")

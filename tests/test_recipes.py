@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from gradsync import ConfigError
-from gradsync.recipes import app, models, schema
+from gradsync.recipes import app, data, models, schema
 from gradsync.recipes.summary import collect, markdown
 
 GROUPS = ("strategy", "model", "data", "trainer", "cluster", "logger", "hparams_search")
@@ -79,9 +79,27 @@ def test_an_optuna_sweep_runs_its_trials_and_writes_the_summary(tmp_path, monkey
     assert all(any(o.startswith("strategy.options.partition_bytes=") for o in overrides) for overrides in tried)
 
 
-def test_every_model_and_data_set_has_a_kind():
-    from gradsync.recipes import data
+def test_the_sweeper_directions_must_match_the_objectives():
+    with initialize_config_module("gradsync.recipes.conf", version_base="1.3"):
+        optuna = compose("config", overrides=["hparams_search=optuna", "objectives=[throughput]"],
+                         return_hydra_config=True)
+        basic = compose("config", return_hydra_config=True)
+    directions = app.sweeper_directions(optuna.hydra.sweeper)
+    assert directions == ["maximize", "maximize"] and app.sweeper_directions(basic.hydra.sweeper) is None
+    with pytest.raises(ConfigError, match=r"^objectives: 1 given \(throughput\) but the sweeper optimises 2"):
+        schema.check(optuna, directions)
+    schema.check(optuna)  # a single run returns its one objective to no sweeper
 
+
+def test_an_optuna_sweep_with_too_few_objectives_starts_no_trial(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(app, "run_local", lambda *args, **kwargs: pytest.fail("a trial started"))
+    with pytest.raises(SystemExit):
+        run_app(monkeypatch, "-m", "hparams_search=optuna", "objectives=[throughput]", "hydra.sweeper.n_trials=1",
+                f"hydra.sweep.dir={tmp_path}")
+    assert "gradsync-train: error: objectives: 1 given" in capsys.readouterr().err
+
+
+def test_every_model_and_data_set_has_a_kind():
     assert set(schema.MODEL_INPUTS) == set(models.MODELS) and set(schema.DATA_KINDS) == set(data.DATASETS)
     assert options("model") == sorted(models.MODELS) and options("data") == sorted(data.DATASETS)
 
@@ -93,6 +111,27 @@ def test_the_model_options_follow_the_data():
     assert network[1].in_features == 256
     assert composed("model=transformer", "data=synthetic_tokens").model.options.vocab == 256
     assert composed().trainer.devices == 2 == composed("trainer.devices=2").cluster.devices
+
+
+def test_the_synthetic_data_takes_its_classes_and_vocab_from_the_data_config():
+    cfg = composed("data=synthetic_tokens", "model=transformer", "data.classes=20", "data.vocab=1000")
+    schema.check(cfg)
+    split = data.load(cfg.data.name, **cfg.data.options)
+    tokens, labels = split.train.dataset.tensors
+    assert (split.classes, split.vocab, int(labels.max()), cfg.model.options.vocab) == (20, 1000, 19, 1000)
+    assert int(tokens.max()) > 256
+
+
+def test_every_rank_gets_as_many_training_batches():
+    # 1437 training samples over 4 ranks: the 1437th is left out, as DistributedSampler(drop_last=True) does
+    shards = [data.load("digits", rank=rank, world_size=4, batch_size=8) for rank in range(4)]
+    assert [len(shard.train.dataset) for shard in shards] == [359] * 4
+    assert [len(shard.train) for shard in shards] == [359 // 8] * 4
+
+
+def test_the_limits_themselves_pass_the_checks():
+    schema.check(composed("trainer.batch_size=718", "trainer.seed=4294967295", "cluster.timeout=1e300"))
+    schema.check(composed("strategy=forest", "trainer.devices=2"))
 
 
 def test_each_strategy_option_builds_its_lightning_strategy():
@@ -133,10 +172,36 @@ def test_cluster_gpu_needs_cuda_devices():
     ("logger.kind=bogus", "logger.kind", ["wandb", "csv", "none"]),
     ("cluster.backend=nccl", "cluster.backend", ["gloo"]),
     ("trainer.lr=0", "trainer.lr", ["> 0"]),
+    ("trainer.lr=inf", "trainer.lr", ["finite", "inf"]),
+    ("trainer.seed=-1", "trainer.seed", ["0..4294967295"]),
+    ("trainer.seed=4294967296", "trainer.seed", ["0..4294967295"]),
+    ("cluster.timeout=inf", "cluster.timeout", ["finite", "inf"]),
+    ("cluster.timeout=1e400", "cluster.timeout", ["finite", "inf"]),
+    ("trainer.batch_size=719", "trainer.batch_size", ["719", "718 training samples", "2 ranks"]),
+    ("trainer.devices=4 trainer.batch_size=360", "trainer.batch_size", ["359 training samples", "4 ranks"]),
+    ("data.classes=5", "data.classes", ["has classes 10", "5"]),
+    ("data.classes=20", "data.classes", ["has classes 10", "20"]),
+    ("model=mlp data.features=10", "data.features", ["has features 64", "10"]),
+    ("data.vocab=5", "data.vocab", ["has vocab None", "5"]),
+    ("data=synthetic_tokens model=transformer data.vocab=5", "data.options", ["'vocab'", "'classes' (10)", "5"]),
+    ("data=synthetic_images data.options.size=8", "data.features", ["has features 64", "256"]),
+    ("data=synthetic_images data.options.samples=0", "data.options.samples", [">= 1", "0"]),
+    ("data=synthetic_images data.options.samples=1", "data.options", ["0 training", "2 ranks"]),
+    ("+data.options.bogus=1", "data.options", ["digits option 'bogus'", "test_fraction"]),
+    ("+data.options.test_fraction=1.5", "data.options", ["'test_fraction'", "(0, 1)", "1.5"]),
+    ("+model.options.bogus=1", "model.options", ["cnn option 'bogus'", "channels, classes"]),
+    ("model=mlp +model.options.hidden=0", "model.options.hidden", [">= 1", "0"]),
+    ("model.options.classes=5", "model.options.classes", ["has classes 10", "5"]),
+    ("model=mlp model.options.inputs=10", "model.options.inputs", ["has features 64", "10"]),
+    ("data=synthetic_tokens model=transformer model.options.vocab=5", "model.options.vocab", ["has vocab 256"]),
+    ("data=synthetic_tokens model=transformer +model.options.heads=3", "model.options", ["'heads'", "3"]),
+    ("+model.options.channels=3", "model.options", ["cannot read", "[1, 8, 8]"]),
+    ("objectives=[]", "objectives", ["final_accuracy", "throughput"]),
+    ("strategy=forest trainer.devices=1", "trainer.devices", ["forest", "2 or more ranks", "1"]),
 ])
 def test_a_bad_value_names_the_key_and_the_valid_choices(override, key, choices):
     with pytest.raises(ConfigError) as error:
-        schema.check(composed(override))
+        schema.check(composed(*override.split()))
     message = str(error.value)
     assert message.startswith(key)
     assert all(choice in message for choice in choices), message
@@ -165,6 +230,18 @@ def test_the_app_reports_a_bad_value_without_a_traceback(tmp_path, monkeypatch, 
     error = capsys.readouterr().err
     assert "gradsync-train: error: strategy.compressor: " in error and "'rank'" in error
     assert "Traceback" not in error
+
+
+def test_the_app_reports_ranks_that_time_out_without_a_traceback(tmp_path, monkeypatch, capsys):
+    def late(*args, **kwargs):
+        raise TimeoutError("ranks [1] did not report within 5 s")
+
+    monkeypatch.setattr(app, "run_local", late)
+    with pytest.raises(SystemExit) as exit_:
+        run_app(monkeypatch, "cluster.timeout=5", f"hydra.run.dir={tmp_path}")
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert "gradsync-train: error: ranks [1] did not report within 5 s" in error and "Traceback" not in error
 
 
 def acp_sgd_wire_fraction(network, ops, rank=4, min_compression_rate=2.0):
