@@ -6,7 +6,7 @@ Lifecycle of one iteration:
    out_proj whose weight its parent reads directly, are updated when the model's forward starts);
 2. backward: each parameter's post-accumulate-grad hook marks it ready; ops launch in plan order
    per channel as their slices become ready; when the backward pass ends, the remaining
-   (forward-phase) ops launch;
+   (forward-phase) ops launch and the buffers are broadcast from the first rank;
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
    parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
    when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
@@ -205,6 +205,9 @@ class GradSync:
         self.in_backward = False
         self.backward_synced = self.gradients_held = True
         self.executor.end_backward()
+        if self.broadcast_buffers:  # the next forward reads rank 0's buffers, as after DDP's synchronised
+            with self._updating():  # forwards; here every rank takes part, even if one evaluates alone next
+                _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
         for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
             previous, self.executor = self.executor, self.executors[layout]
             self._wait(previous, previous.wait_all)
@@ -219,9 +222,6 @@ class GradSync:
             self.forward_started = time.perf_counter()
         for module_name in [m for m in self.pending if m in self.silent]:
             self._apply_deferred(module_name)
-        if self.broadcast_buffers and torch.is_grad_enabled():  # as DDP: not in evaluation, which may run on one rank
-            with self._updating():  # serial work before the forward, as the optimizer step is
-                _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
         if self.measurement is not None:
             self.measurement.forward_start()
 
