@@ -414,6 +414,7 @@ def test_trace_and_stats(tmp_path):
         ({"timeout": float("nan")}, "'timeout' must be a finite number"),
         ({"timeout": float("inf")}, "'timeout' must be a finite number"),
         ({"timeout": 1e-9}, "'timeout' must be a finite number of seconds >= 0.001"),  # 0 ms: no timeout
+        ({"timeout": 86400000000000.0}, "'timeout' must be a finite number"),  # timedelta.max, rounded up
         ({"broadcast_buffers": "yes"}, "'broadcast_buffers' must be true or false"),
         ({"trace": "/nonexistent-folder/trace.json"}, "no such folder '/nonexistent-folder'"),
         ({"trace": "/"}, "is a folder"),

@@ -17,7 +17,7 @@ from .executor import check_nonfinite_mode
 
 TRANSPORTS = ("allreduce", "forest")
 MIN_TIMEOUT = 1e-3  # the process groups count milliseconds: less would round to 0, "wait forever"
-MAX_TIMEOUT = timedelta.max.total_seconds()  # what the process group's timedelta can hold
+MAX_TIMEOUT = timedelta.max.total_seconds()  # above what the process group's timedelta can hold (rounded up)
 # A probe model for the planner options: enough layers, ready at once, for a planner to use every
 # channel its options allow
 PROBE = ModelProfile("probe", tuple(LayerProfile(f"layer{i}", (TensorSpec(f"x{i}", 1 << 16),), 1e-6, 1e-6)
@@ -56,8 +56,9 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     count = 2 if channels is None else channels
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ConfigError(f"'channels' must be an integer >= 1, got {channels!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT <= timeout <= MAX_TIMEOUT:
-        raise ConfigError(f"'timeout' must be a finite number of seconds >= {MIN_TIMEOUT}, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT <= timeout < MAX_TIMEOUT:
+        raise ConfigError(f"'timeout' must be a finite number of seconds >= {MIN_TIMEOUT} and < {MAX_TIMEOUT:.0f}, "
+                          f"got {timeout!r}")
     if not isinstance(broadcast_buffers, bool):
         raise ConfigError(f"'broadcast_buffers' must be true or false, got {broadcast_buffers!r}")
     check_nonfinite_mode(nonfinite)
