@@ -9,17 +9,25 @@ optimizer, so Lightning's optimizer step and checkpoints go through it. `teardow
 """
 from __future__ import annotations
 
+import multiprocessing
 from contextlib import contextmanager
+from datetime import timedelta
 
-from ..errors import ConfigError
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, unknown_name
 from ..runtime import attached, no_sync, wrap
 from ..runtime.arguments import check_wrap_arguments
 
-# DDPStrategy's own arguments (set by users or by Lightning's accelerator connector); every other
-# keyword goes to gradsync.wrap. DDPStrategy's **kwargs would configure DistributedDataParallel,
-# which is not used here.
+# DDPStrategy's own arguments; every other keyword goes to gradsync.wrap (DDPStrategy's **kwargs
+# would configure DistributedDataParallel, which is not used here). `timeout` is gradsync's (seconds),
+# given to Lightning's process group too. The Lightning objects (accelerator, cluster_environment,
+# checkpoint_io, precision_plugin) go to DDPStrategy untouched, as with Lightning's own `ddp`; the
+# other options are checked at construction (check_lightning_options).
 LIGHTNING_OPTIONS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-                     "process_group_backend", "timeout", "start_method")
+                     "process_group_backend", "start_method")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")  # DDPStrategy's
 
 STATS_PREFIX = "gradsync/"
 
@@ -31,10 +39,15 @@ class GradSyncOverrides:
     def __init__(self, scheduler: str = "auto", compressor=None, **options):
         """`scheduler`: a gradsync planner name; `compressor`: a name, a ``{"type": name, ...}``
         dict or a Codec. `options`: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``);
-        the rest go to ``gradsync.wrap`` (channels, profile, cost, nonfinite, planner options, ...)."""
-        super().__init__(**{name: options.pop(name) for name in LIGHTNING_OPTIONS if name in options})
+        the rest go to ``gradsync.wrap`` (channels, profile, cost, timeout, nonfinite, planner
+        options, ...). A given `timeout` (seconds) is also Lightning's process group timeout."""
+        lightning = {name: options.pop(name) for name in LIGHTNING_OPTIONS if name in options}
         # bad values fail here, before any rank is launched
-        check_wrap_arguments(scheduler=scheduler, compressor=compressor, **options)
+        check_lightning_options(lightning)
+        arguments = check_wrap_arguments(scheduler=scheduler, compressor=compressor, **options)
+        if "timeout" in options:
+            lightning["timeout"] = timedelta(seconds=arguments.timeout)
+        super().__init__(**lightning)
         self.scheduler = scheduler
         self.compressor = compressor
         self.gradsync_options = options
@@ -96,13 +109,22 @@ class GradSyncOverrides:
             yield None
 
     def post_backward(self, closure_loss) -> None:
-        """Gradients are local until gradsync's ops finish, but inside the optimizer closure
-        Lightning clips them and a GradScaler unscales them: then wait for the synchronisation
-        first (this gives up overlapping forward-phase ops with the next forward)."""
+        """Gradients are local until gradsync's ops finish: when code between the backward pass
+        and the optimizer step may read them, wait for the synchronisation first (this gives up
+        overlapping forward-phase ops with the next forward)."""
         super().post_backward(closure_loss)
-        if self.runtime is not None and (self.lightning_module.trainer.gradient_clip_val
-                                         or self._grad_scaler() is not None):
+        if self.runtime is not None and self._gradients_read_before_step():
             self.runtime.flush()
+
+    def _gradients_read_before_step(self) -> bool:
+        """Whether clipping (`gradient_clip_val` or the module's own `configure_gradient_clipping`),
+        a GradScaler's unscaling, an `on_before_optimizer_step` of the module or of a callback, or,
+        under manual optimisation, the user's code runs between the backward pass and the step."""
+        module = self.lightning_module
+        trainer = module.trainer
+        return bool(not module.automatic_optimization or trainer.gradient_clip_val or self._grad_scaler() is not None
+                    or _overrides(module, "configure_gradient_clipping")
+                    or any(_overrides(hooks, "on_before_optimizer_step") for hooks in (module, *trainer.callbacks)))
 
     # -- per-iteration statistics ------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
@@ -158,6 +180,35 @@ class GradSyncOverrides:
         for name, description in COMPRESSORS.items():
             strategy_registry.register(name, cls, description=description, override=True,
                                        scheduler=COMPRESSOR_SCHEDULER, compressor=name)
+
+
+def check_lightning_options(options: dict) -> None:
+    """ConfigError for a start method, process group backend or parallel_devices in `options`
+    (DDPStrategy's) that the ranks could not use."""
+    methods = [name for name in START_METHODS if name == "popen" or name in multiprocessing.get_all_start_methods()]
+    if options.get("start_method", "popen") not in methods:
+        raise unknown_name("start_method", options["start_method"], methods)
+    backend = options.get("process_group_backend")
+    # a backend or a "device:backend,..." map, as init_process_group takes
+    if backend is not None and not (isinstance(backend, str) and all(
+            dist.is_backend_available(part.rpartition(":")[2]) for part in backend.split(","))):
+        available = [name for name in dist.Backend.backend_list
+                     if name != "undefined" and dist.is_backend_available(name)]
+        raise ConfigError(f"'process_group_backend' {backend!r} is not a torch.distributed backend available here; "
+                          f"available: {', '.join(available)}")
+    devices = options.get("parallel_devices")
+    if devices is not None and not (isinstance(devices, (list, tuple))
+                                    and all(isinstance(device, torch.device) for device in devices)):
+        raise ConfigError(f"'parallel_devices' must be a list of torch.device, got {devices!r}")
+
+
+def _overrides(instance, hook: str) -> bool:
+    """Whether `instance` replaces the Lightning hook `hook` (Lightning's own test, against the base
+    class that declares it, from either Lightning package)."""
+    from lightning_utilities.core.overrides import is_overridden  # installed with Lightning
+
+    declaring = next(cls for cls in reversed(type(instance).__mro__) if hook in vars(cls))
+    return is_overridden(hook, instance, declaring)
 
 
 # strategy name -> (gradsync scheduler, description)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from gradsync.strategies import COMPRESSORS, SCHEDULERS, TRANSPORTS, GradSyncStr
 from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
-from pytorch_lightning.strategies import StrategyRegistry  # noqa: E402
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
 
 STEPS = 6
 TOLERANCE = 1e-5
@@ -82,7 +83,8 @@ class BatchNormClassifier(Classifier):
 
 
 class ManualClassifier(Classifier):
-    """Manual optimisation: the step runs inside training_step, through Lightning's optimizer."""
+    """Manual optimisation: the step runs inside training_step, through Lightning's optimizer,
+    after the model clips the gradients itself."""
 
     def __init__(self):
         super().__init__()
@@ -93,7 +95,25 @@ class ManualClassifier(Classifier):
         inputs, targets = batch
         optimizer.zero_grad()
         self.manual_backward(F.cross_entropy(self.net(inputs), targets))
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
         optimizer.step()
+
+
+class HookClipClassifier(Classifier):
+    """Clips in its own configure_gradient_clipping, without the Trainer's gradient_clip_val."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+
+
+class GradientNorms(pl.Callback):
+    """Records the gradient norm on_before_optimizer_step sees at each step."""
+
+    def __init__(self):
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norms.append(torch.stack([p.grad.norm() for p in pl_module.parameters()]).norm().item())
 
 
 def batches():
@@ -145,6 +165,11 @@ def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> di
 
 def fp16_with_grad_scaler():
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INITIAL_SCALE))
+
+
+def fit_recording_norms(strategy, root) -> dict:
+    norms = GradientNorms()
+    return {**fit(strategy, root, callbacks=[norms]), "norms": norms.norms}
 
 
 def initial() -> dict:
@@ -200,11 +225,13 @@ def all_runs(rank, world_size, root):
     for name in ("ddp", "wfbp", "us_byte"):
         results[f"accumulate/{name}"] = attempt(lambda: fit(name, root, accumulate_grad_batches=2))
         results[f"clip/{name}"] = attempt(lambda: fit(name, root, gradient_clip_val=CLIP))
+        results[f"clip_hook/{name}"] = attempt(lambda: fit(name, root, model_class=HookClipClassifier))
         results[f"fp16/{name}"] = attempt(lambda: fit(name, root, plugins=[fp16_with_grad_scaler()]))
         results[f"batchnorm/{name}"] = attempt(lambda: fit(name, root, model_class=BatchNormClassifier,
                                                            val_check_interval=3, limit_val_batches=2))
     for name in ("ddp", "us_byte"):
         results[f"manual/{name}"] = attempt(lambda: fit(name, root, model_class=ManualClassifier))
+        results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(name, root))
     results["resume"] = resume_runs(rank, shared)
     return results
 
@@ -249,9 +276,17 @@ def test_registered_name_builds_the_strategy():
 
 
 def test_lightning_and_gradsync_options_are_split():
-    strategy = GradSyncStrategy("us_byte", start_method="spawn", partition_bytes=4096, measure_iterations=2)
-    assert strategy._start_method == "spawn"
+    strategy = GradSyncStrategy("us_byte", start_method="spawn", process_group_backend="cpu:gloo",
+                                partition_bytes=4096, measure_iterations=2)
+    assert (strategy._start_method, strategy.process_group_backend) == ("spawn", "cpu:gloo")
     assert strategy.gradsync_options == {"partition_bytes": 4096, "measure_iterations": 2}
+
+
+def test_timeout_is_gradsyncs_and_the_process_groups():
+    strategy = GradSyncStrategy("wfbp", timeout=30)
+    assert strategy.gradsync_options == {"timeout": 30}
+    assert strategy._timeout == timedelta(seconds=30)
+    assert GradSyncStrategy("wfbp")._timeout == DDPStrategy()._timeout  # Lightning's default otherwise
 
 
 def test_gradsync_imports_without_lightning():
@@ -276,6 +311,14 @@ def test_gradsync_imports_without_lightning():
     ({"scheduler": "us_byte", "partition_bytes": -1}, "partition_bytes"),
     ({"nonfinite": "hope"}, "'nonfinite'"),
     ({"bucket": 3}, r"unknown option\(s\) \['bucket'\]; valid: candidates"),
+    ({"timeout": "abc"}, "'timeout'.*got 'abc'"),
+    ({"timeout": -1}, "'timeout'.*got -1"),
+    ({"timeout": float("inf")}, "'timeout'.*got inf"),
+    ({"timeout": timedelta(seconds=30)}, "'timeout' must be a finite number of seconds"),
+    ({"start_method": "bogus"}, "start_method 'bogus'; valid: .*spawn"),
+    ({"process_group_backend": "bogus"}, "'process_group_backend' 'bogus'.*available: .*gloo"),
+    ({"process_group_backend": "cpu:gloo,cuda:bogus"}, "'process_group_backend' 'cpu:gloo,cuda:bogus'"),
+    ({"parallel_devices": 3}, "'parallel_devices' must be a list of torch.device, got 3"),
 ])
 def test_bad_arguments_fail_at_construction_before_any_rank_starts(arguments, message):
     with pytest.raises(ConfigError, match=message):
@@ -333,6 +376,20 @@ def test_gradient_clipping_sees_synchronised_gradients(ranks, name):
 
 
 @pytest.mark.parametrize("name", ["wfbp", "us_byte"])
+def test_clipping_in_configure_gradient_clipping_sees_synchronised_gradients(ranks, name):
+    assert distance(ranks[0][f"clip_hook/{name}"], ranks[0]["clip_hook/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["clip_hook/ddp"], ranks[0]["ddp"]) > TOLERANCE  # clipping was active
+
+
+def test_on_before_optimizer_step_sees_synchronised_gradients(ranks):
+    """A callback's on_before_optimizer_step: the same norms on both ranks, as under DDP."""
+    expected = ranks[0]["norms/ddp"]["norms"]
+    assert len(expected) == STEPS
+    for rank in (0, 1):
+        assert ranks[rank]["norms/us_byte"]["norms"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["wfbp", "us_byte"])
 def test_grad_scaler_unscales_synchronised_gradients(ranks, name):
     """fp16 AMP: the scaler unscales inside the closure and skips steps with overflowed gradients."""
     assert distance(ranks[0][f"fp16/{name}"], ranks[0]["fp16/ddp"]) < TOLERANCE
@@ -352,7 +409,9 @@ def test_buffers_and_validation_match_ddp(ranks, name):
 
 
 def test_manual_optimization_matches_ddp(ranks):
+    """The gradients the model clips between manual_backward and step are the averaged ones."""
     assert distance(ranks[0]["manual/us_byte"], ranks[0]["manual/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["manual/ddp"], ranks[0]["ddp"]) > TOLERANCE  # clipping was active
     assert {f"gradsync/{name}" for name in STATS} <= set(ranks[0]["manual/us_byte"]["progress_bar"])
 
 
@@ -373,7 +432,7 @@ def test_resume_without_gradsync_state_diverges(ranks):
 def test_spawn_launcher_trains_like_the_external_launch(ranks, tmp_path):
     torch.manual_seed(0)
     model = Classifier()
-    trainer = trainer_for(GradSyncStrategy("us_byte", start_method="spawn"), tmp_path)
+    trainer = trainer_for(GradSyncStrategy("us_byte", start_method="spawn", timeout=60.0), tmp_path)
     trainer.fit(model, batches())  # the launcher loads rank 0's final weights into `model`
     assert distance({"params": flat(model)}, ranks[0]["us_byte"]) < TOLERANCE
     assert {f"gradsync/{name}" for name in STATS} <= set(trainer.callback_metrics)
