@@ -108,23 +108,25 @@ class GradSyncOverrides:
         with no_sync(self.lightning_module):
             yield None
 
-    def post_backward(self, closure_loss) -> None:
+    def pre_backward(self, closure_loss) -> None:
         """Gradients are local until gradsync's ops finish: when code between the backward pass
-        and the optimizer step may read them, wait for the synchronisation first (this gives up
-        overlapping forward-phase ops with the next forward)."""
-        super().post_backward(closure_loss)
-        if self.runtime is not None and self._gradients_read_before_step():
-            self.runtime.flush()
+        and the optimizer step may read them, the backward pass ends only once they are averaged,
+        as DDP's does (this gives up overlapping forward-phase ops with the next forward)."""
+        super().pre_backward(closure_loss)
+        if self.runtime is not None:
+            self.runtime.wait_at_backward_end = self._gradients_read_before_step()
 
     def _gradients_read_before_step(self) -> bool:
         """Whether clipping (`gradient_clip_val` or the module's own `configure_gradient_clipping`),
-        a GradScaler's unscaling, an `on_before_optimizer_step` of the module or of a callback, or,
-        under manual optimisation, the user's code runs between the backward pass and the step."""
+        a GradScaler's unscaling, an `on_after_backward` or `on_before_optimizer_step` of the module
+        or of a callback, or, under manual optimisation, the user's code runs between the backward
+        pass and the step."""
         module = self.lightning_module
         trainer = module.trainer
         return bool(not module.automatic_optimization or trainer.gradient_clip_val or self._grad_scaler() is not None
                     or _overrides(module, "configure_gradient_clipping")
-                    or any(_overrides(hooks, "on_before_optimizer_step") for hooks in (module, *trainer.callbacks)))
+                    or any(_overrides(hooks, hook) for hooks in (module, *trainer.callbacks)
+                           for hook in ("on_after_backward", "on_before_optimizer_step")))
 
     # -- per-iteration statistics ------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):

@@ -107,13 +107,25 @@ class HookClipClassifier(Classifier):
 
 
 class GradientNorms(pl.Callback):
-    """Records the gradient norm on_before_optimizer_step sees at each step."""
+    """Records the gradient norm a hook sees at each step."""
 
     def __init__(self):
         self.norms: list[float] = []
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def record(self, pl_module) -> None:
         self.norms.append(torch.stack([p.grad.norm() for p in pl_module.parameters()]).norm().item())
+
+
+class NormsBeforeStep(GradientNorms):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.record(pl_module)
+
+
+class NormsAfterBackward(GradientNorms):
+    """on_after_backward runs before the strategy's post_backward."""
+
+    def on_after_backward(self, trainer, pl_module):
+        self.record(pl_module)
 
 
 def batches():
@@ -167,8 +179,8 @@ def fp16_with_grad_scaler():
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INITIAL_SCALE))
 
 
-def fit_recording_norms(strategy, root) -> dict:
-    norms = GradientNorms()
+def fit_recording_norms(strategy, root, recorder=NormsBeforeStep) -> dict:
+    norms = recorder()
     return {**fit(strategy, root, callbacks=[norms]), "norms": norms.norms}
 
 
@@ -232,6 +244,7 @@ def all_runs(rank, world_size, root):
     for name in ("ddp", "us_byte"):
         results[f"manual/{name}"] = attempt(lambda: fit(name, root, model_class=ManualClassifier))
         results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(name, root))
+        results[f"norms_after_backward/{name}"] = attempt(lambda: fit_recording_norms(name, root, NormsAfterBackward))
     results["resume"] = resume_runs(rank, shared)
     return results
 
@@ -381,12 +394,14 @@ def test_clipping_in_configure_gradient_clipping_sees_synchronised_gradients(ran
     assert distance(ranks[0]["clip_hook/ddp"], ranks[0]["ddp"]) > TOLERANCE  # clipping was active
 
 
-def test_on_before_optimizer_step_sees_synchronised_gradients(ranks):
-    """A callback's on_before_optimizer_step: the same norms on both ranks, as under DDP."""
-    expected = ranks[0]["norms/ddp"]["norms"]
+@pytest.mark.parametrize("hook", ["norms", "norms_after_backward"])
+def test_on_before_optimizer_step_and_on_after_backward_see_synchronised_gradients(ranks, hook):
+    """A callback's on_before_optimizer_step or on_after_backward: the same norms on both ranks,
+    as under DDP."""
+    expected = ranks[0][f"{hook}/ddp"]["norms"]
     assert len(expected) == STEPS
     for rank in (0, 1):
-        assert ranks[rank]["norms/us_byte"]["norms"] == pytest.approx(expected, rel=1e-5)
+        assert ranks[rank][f"{hook}/us_byte"]["norms"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["wfbp", "us_byte"])

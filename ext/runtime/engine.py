@@ -76,6 +76,7 @@ class GradSync:
         self.in_backward = False
         self.backward_synced = False
         self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
+        self.wait_at_backward_end = False  # for front-ends whose hooks read the gradients before the step
         self.iteration = 0
         self.sync_steps = 0  # synchronised backward passes so far: the codec's step
         self.history: deque[IterationStats] = deque(maxlen=HISTORY_LENGTH)  # `iteration` counts them all
@@ -215,6 +216,8 @@ class GradSync:
                 self.executor.start_iteration(previous.step, ready=previous.ready)
                 self.executor.skip_step = previous.skip_step  # a skip found in one round holds for the step
                 self.executor.end_backward()
+        if self.wait_at_backward_end:
+            self._wait(self.executor, self.executor.wait_all)
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
