@@ -18,6 +18,8 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 
 from .. import compress, planners
 from ..errors import ConfigError, unknown_name
+from ..runtime.arguments import check_wrap_arguments
+from ..topology.allreduce import check_group_size
 from . import data, models
 
 ACCELERATORS = ("cpu", "gpu")
@@ -164,10 +166,17 @@ def _check_strategy(strategy: DictConfig, ranks: int) -> None:
             compress.get(name, **codec)
         except ConfigError as exc:
             raise ConfigError(f"strategy.compressor: {exc}") from exc
-    transport = {**StrategyRegistry[strategy.name]["init_params"], **strategy.options}.get("transport")
-    if transport == "forest" and ranks < 2:
-        raise ConfigError(f"trainer.devices: strategy {strategy.name!r} packs reduce/broadcast trees (transport "
-                          f"'forest'), which needs 2 or more ranks, got {ranks}")
+    merged = {**StrategyRegistry[strategy.name]["init_params"], **strategy.options}
+    if merged.get("transport") == "forest":
+        if ranks < 2:
+            raise ConfigError(f"trainer.devices: strategy {strategy.name!r} packs reduce/broadcast trees (transport "
+                              f"'forest'), which needs 2 or more ranks, got {ranks}")
+        topology = check_wrap_arguments(transport="forest", topology=merged.get("topology")).topology
+        if topology is not None:
+            try:
+                check_group_size(topology, ranks)
+            except ConfigError as exc:
+                raise ConfigError(f"trainer.devices: {exc}") from exc
 
 
 def _check_trainer(trainer: DictConfig) -> None:

@@ -198,6 +198,7 @@ def test_cluster_gpu_needs_cuda_devices():
     ("+model.options.channels=3", "model.options", ["cannot read", "[1, 8, 8]"]),
     ("objectives=[]", "objectives", ["final_accuracy", "throughput"]),
     ("strategy=forest trainer.devices=1", "trainer.devices", ["forest", "2 or more ranks", "1"]),
+    ("strategy=forest +strategy.options.topology=ring-3", "trainer.devices", ["2 ranks", "3 workers"]),
 ])
 def test_a_bad_value_names_the_key_and_the_valid_choices(override, key, choices):
     with pytest.raises(ConfigError) as error:
