@@ -6,8 +6,9 @@ Example section::
     "gradsync": {"scheduler": "us_byte", "compressor": {"type": "acp_sgd", "rank": 4}, "channels": 2}
 
 Keys: scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite, broadcast_buffers,
-warmup_iterations, measure_iterations, plan_trials (as in ``gradsync.wrap``), options (planner options), transport ("allreduce" or "forest") and topology
-(the forest's: a preset name or a topology file).
+warmup_iterations, measure_iterations, plan_trials (as in ``gradsync.wrap``), options (planner
+options), transport ("allreduce" or "forest") and topology (the forest's: a preset name or a
+topology file).
 """
 from .config import KEYS, SECTION
 from .engine import GradSyncEngine, initialize
