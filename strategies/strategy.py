@@ -71,6 +71,10 @@ class GradSyncOverrides:
         model, synced = wrap(self.lightning_module, self.optimizers[0], self.scheduler, self.compressor,
                              **self._wrap_options())
         self.runtime = attached(model)
+        # gradients are local until gradsync's ops finish: when code between the backward pass and the
+        # step may read them, the backward pass ends once they are averaged, as DDP's does (this gives
+        # up overlapping forward-phase ops with the next forward)
+        self.runtime.wait_at_backward_end = self._gradients_read_before_step()
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.runtime.layout.parameters.values())
         self.optimizers = [synced]
 
@@ -107,14 +111,6 @@ class GradSyncOverrides:
         reduces the accumulated gradients."""
         with no_sync(self.lightning_module):
             yield None
-
-    def pre_backward(self, closure_loss) -> None:
-        """Gradients are local until gradsync's ops finish: when code between the backward pass
-        and the optimizer step may read them, the backward pass ends only once they are averaged,
-        as DDP's does (this gives up overlapping forward-phase ops with the next forward)."""
-        super().pre_backward(closure_loss)
-        if self.runtime is not None:
-            self.runtime.wait_at_backward_end = self._gradients_read_before_step()
 
     def _gradients_read_before_step(self) -> bool:
         """Whether clipping (`gradient_clip_val` or the module's own `configure_gradient_clipping`),
