@@ -185,6 +185,7 @@ class Variant:
     gradsync: bool
     seconds: list[float] = field(default_factory=list)
     comm_wait: list[float] = field(default_factory=list)
+    codec: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
     compute_scales: list[list[float]] = field(default_factory=list)  # per timed block, its iterations'
 
@@ -213,6 +214,7 @@ class Variant:
             if self.gradsync:
                 recent = list(itertools.islice(reversed(attached(self.model).history), iterations))
                 self.comm_wait.append(sum(s.comm_wait for s in recent) / iterations)
+                self.codec.append(sum(s.codec_time for s in recent) / iterations)
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
                 self.compute_scales.append([s.compute_scale for s in recent])
 
@@ -232,7 +234,7 @@ class Variant:
             attached(self.model).flush()
 
     def report(self) -> dict:
-        report = {"seconds": self.seconds, "comm_wait": self.comm_wait, "predicted": self.predicted}
+        report = {"seconds": self.seconds, "comm_wait": self.comm_wait, "codec": self.codec, "predicted": self.predicted}
         if self.gradsync:
             sync = attached(self.model)
             report["plan"] = sync.plan.options.get("chosen")  # what `auto` picked
@@ -345,6 +347,7 @@ class RowResult:
     plan: str | None
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
+    codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
 
     @property
     def error(self) -> float | None:
@@ -385,8 +388,9 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
                                median_over_blocks(label, "predicted", statistics.fmean))
         else:
             comm, predicted = (None if label == COMPUTE_ONLY else max(0.0, seconds - compute)), None
+        codec = median_over_blocks(label, "codec", statistics.fmean) if row.get("codec") else None
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
-                                   row.get("replay"))
+                                   row.get("replay"), codec)
     return results
 
 
@@ -413,8 +417,8 @@ def cost_line(cost: dict, world_size: int) -> str:
 
 
 def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:
-    lines = ["| row | median ms | speed-up vs torch DDP | non-overlapped comm ms | predicted ms | error |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| row | median ms | speed-up vs torch DDP | non-overlapped comm ms | compression ms | predicted ms | error |",
+             "|---|---|---|---|---|---|---|"]
     for label, row in results.items():
         ratio = speedup(results, label)
         name = f"{label} (→ {row.plan})" if row.plan else label
@@ -423,6 +427,7 @@ def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:
         lines.append("| " + " | ".join([
             name, f"{row.seconds * 1e3:.1f}", "—" if ratio is None else f"{ratio:.2f}×",
             "—" if row.comm is None else f"{row.comm * 1e3:.1f}",
+            "—" if row.codec is None else f"{row.codec * 1e3:.1f}",
             "—" if row.predicted is None else f"{row.predicted * 1e3:.1f}",
             "—" if row.error is None else f"{row.error:+.1%}"]) + " |")
     return lines
@@ -487,7 +492,9 @@ NOTES = [
     " torch DDP's time / the row's time. Non-overlapped communication: gradsync's measured wait on"
     " communication (IterationStats.comm_wait of the timed steps); for"
     " torch rows, the row's time minus the compute-only time (forward, backward and step without"
-    " communication, measured in the same interleaved loop). Predicted: the simulator's iteration time"
+    " communication, measured in the same interleaved loop). Compression: gradsync's encoding and decoding"
+    " on the computing thread (IterationStats.codec_time, the ranks' mean; for a row without a compressor"
+    " the identity codec's reshapes and copies). Predicted: the simulator's iteration time"
     " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
     " speed, and the job's fitted cost); error = (predicted −"
     " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"

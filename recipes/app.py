@@ -156,6 +156,7 @@ def report(result: dict) -> str:
              f"throughput {b['throughput']:.0f} samples/s"]
     if b["measured_ms"] is not None:
         lines += [f"  non-overlapped communication {b['comm_wait_ms']:.2f} ms per iteration",
+                  f"  compression (encoding and decoding) {b['codec_ms']:.2f} ms per iteration",
                   f"  compression ratio {b['compression_ratio']:.3f} (bytes sent / gradient bytes)",
                   f"  predicted {b['predicted_ms']:.2f} ms vs measured {b['measured_ms']:.2f} ms per iteration "
                   "(first forward to the end of the step)"]

@@ -112,13 +112,15 @@ class IterationTimer(pl.Callback):
     def breakdown(self, samples_per_step: int) -> dict:
         """Median step time and throughput; with gradsync, over the same steps, the medians of the
         runtime's predicted and measured time from an iteration's first forward to the end of its
-        step (the span the simulator predicts; Lightning's work between steps is outside it) and of
-        the non-overlapped communication, and the mean wire bytes as a fraction of the gradient
-        bytes (the compression ratio, over whole codec cycles)."""
+        step (the span the simulator predicts; Lightning's work between steps is outside it), of
+        the non-overlapped communication and of the codec's encoding and decoding time, and the
+        mean wire bytes as a fraction of the gradient bytes (the compression ratio, over whole
+        codec cycles)."""
         steady = self.step_times[self.steady_step or 0:] or self.step_times
         step = statistics.median(steady)
         result = {"steps": len(steady), "iteration_ms": 1e3 * step, "throughput": samples_per_step / step,
-                  "measured_ms": None, "predicted_ms": None, "comm_wait_ms": None, "compression_ratio": None}
+                  "measured_ms": None, "predicted_ms": None, "comm_wait_ms": None, "codec_ms": None,
+                  "compression_ratio": None}
         if self.runtime is None:
             return result
         history = [s for s in self.runtime.history if s.iteration >= (self.steady_iteration or 0)] \
@@ -128,6 +130,7 @@ class IterationTimer(pl.Callback):
             measured_ms=1e3 * median(s.busy_time + s.comm_wait for s in history),
             predicted_ms=1e3 * median(s.predicted_time for s in history),
             comm_wait_ms=1e3 * median(s.comm_wait for s in history),
+            codec_ms=1e3 * median(s.codec_time for s in history),
             compression_ratio=statistics.fmean(s.bytes_sent for s in history) / self.runtime.profile.total_bytes,
         )
         return result

@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 COLUMNS = ["job", "label", "strategy", "model", "data", "ranks", "iteration_ms", "throughput", "final_accuracy",
-           "comm_wait_ms", "predicted_ms", "measured_ms", "compression_ratio"]
+           "comm_wait_ms", "codec_ms", "predicted_ms", "measured_ms", "compression_ratio"]
 
 
 class SweepSummary(Callback):
@@ -80,13 +80,14 @@ def _blank(value):
 
 def markdown(rows: list[dict]) -> str:
     header = ["job", "setting", "iteration (ms)", "throughput (samples/s)", "final accuracy (%)",
-              "non-overlapped comm (ms)", "predicted / measured (ms)", "compression ratio"]
+              "non-overlapped comm (ms)", "compression (ms)", "predicted / measured (ms)", "compression ratio"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         predicted = (f"{row['predicted_ms']:.2f} / {row['measured_ms']:.2f}"
                      if row.get("predicted_ms") is not None else "n/a")
         cells = [row["job"], row["label"], f"{row['iteration_ms']:.2f}", f"{row['throughput']:.0f}",
-                 _number(row["final_accuracy"], ".2f"), _number(row.get("comm_wait_ms"), ".2f"), predicted,
+                 _number(row["final_accuracy"], ".2f"), _number(row.get("comm_wait_ms"), ".2f"),
+                 _number(row.get("codec_ms"), ".2f"), predicted,
                  _number(row.get("compression_ratio"), ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -3,7 +3,7 @@
 W&B runs offline by default: the run is written under the job's directory and uploaded later with
 ``wandb sync <job dir>/wandb/offline-run-*``. Lightning's WandbLogger logs the config and the
 per-step metrics (the loss, and gradsync's per-iteration time, non-overlapped communication,
-bytes sent and compression ratio); `log_job` adds the iteration breakdown to the run's summary,
+compression time, bytes sent and compression ratio); `log_job` adds the iteration breakdown to the run's summary,
 every plan as a ``wandb.Table`` and the timeline image, and `finish` closes the run, which
 WandbLogger never does (each job must end its own run).
 """

@@ -134,11 +134,11 @@ class GradSyncOverrides:
         return output
 
     def _log_stats(self, stats) -> None:
-        """Log an iteration's measured time, non-overlapped communication (comm_wait), bytes sent
-        by this rank and compression ratio (bytes sent / uncompressed gradient bytes) to every
-        Lightning logger and the progress bar (rank 0's values, as for any metric logged without
-        sync_dist)."""
-        metrics = {"iteration_time": stats.iteration_time, "comm_wait": stats.comm_wait,
+        """Log an iteration's measured time, non-overlapped communication (comm_wait), the codec's
+        encoding and decoding time (codec_time), bytes sent by this rank and compression ratio
+        (bytes sent / uncompressed gradient bytes) to every Lightning logger and the progress bar
+        (rank 0's values, as for any metric logged without sync_dist)."""
+        metrics = {"iteration_time": stats.iteration_time, "comm_wait": stats.comm_wait, "codec_time": stats.codec_time,
                    "bytes_sent": float(stats.bytes_sent), "compression_ratio": stats.bytes_sent / self.gradient_bytes}
         for name, value in metrics.items():
             self.lightning_module.log(STATS_PREFIX + name, value, on_step=True, on_epoch=False, prog_bar=True,

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
-                                     Setting, default_rows, paired_ratio, round_order, steal_note, stolen_cpu_seconds,
-                                     summarise, targets)
+                                     Setting, default_rows, paired_ratio, round_order, setting_table, steal_note,
+                                     stolen_cpu_seconds, summarise, targets)
 
 DDP, BUCKETS = ROWS["ddp"].label, ROWS["ddp_buckets"].label
 
@@ -22,6 +22,21 @@ def test_each_block_counts_its_slowest_rank_and_a_row_its_median_block():
     results = summarise(reports)
     assert results[DDP].blocks == (4.0, 5.0, 3.5) and results[DDP].seconds == 4.0
     assert results[DDP].comm == pytest.approx(4.0 - 1.0)  # beyond the compute-only median
+
+
+def test_gradsync_rows_report_the_ranks_mean_wait_and_compression_time_median_over_blocks():
+    acp = ROWS["acp_sgd"].label
+    reports = [rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [3.0] * 3}), rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [3.0] * 3})]
+    for report, codec in zip(reports, ([0.2, 0.4, 0.1], [0.4, 0.2, 0.3])):
+        report["rows"][acp] = {"seconds": [1.5] * 3, "comm_wait": [0.1, 0.3, 0.2], "codec": codec,
+                               "predicted": [1.4] * 3}
+    results = summarise(reports)
+    assert results[acp].codec == pytest.approx(0.3) and results[acp].comm == pytest.approx(0.2)
+    assert results[DDP].codec is None
+    table = setting_table(Setting("transformer", 2, "1gbit"), results)
+    assert "compression ms" in table[0]
+    assert table[-1] == f"| {acp} | 1500.0 | 2.00× | 200.0 | 300.0 | 1400.0 | -6.7% |"
+    assert table[3].startswith(f"| {DDP} | 3000.0 | 1.00× | 2000.0 | — |")
 
 
 def test_rows_keep_their_own_block_counts():

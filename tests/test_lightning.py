@@ -35,7 +35,7 @@ TOLERANCE = 1e-5
 CLIP = 0.05
 # fp16 overflows at this initial loss scale: the GradScaler skips the first steps, then halves it
 FP16_INITIAL_SCALE = 2.0**22
-STATS = ("iteration_time", "comm_wait", "bytes_sent", "compression_ratio")
+STATS = ("iteration_time", "comm_wait", "codec_time", "bytes_sent", "compression_ratio")
 
 # the model: Linear(16→32), Linear(32→32), Linear(32→4) and their biases
 GRADIENT_NUMEL = 32 * 16 + 32 + 32 * 32 + 32 + 4 * 32 + 4
@@ -470,6 +470,7 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
         assert float(row["gradsync/bytes_sent"]) == sent * 4
         assert float(row["gradsync/compression_ratio"]) == pytest.approx(sent / GRADIENT_NUMEL, rel=1e-6)
         assert 0 <= float(row["gradsync/comm_wait"]) <= float(row["gradsync/iteration_time"])
+        assert 0 < float(row["gradsync/codec_time"]) < float(row["gradsync/iteration_time"])
 
 
 if __name__ == "__main__":

@@ -292,7 +292,8 @@ def test_a_two_job_sweep_writes_its_summary(tmp_path, monkeypatch):
     assert [(row["job"], row["label"], row["strategy"]) for row in rows] == [
         ("0", "strategy=ddp", "ddp"), ("1", "strategy=acp_sgd", "acp_sgd")]
     ddp, acp = rows
-    assert ddp["compression_ratio"] == "" and ddp["comm_wait_ms"] == ""
+    assert ddp["compression_ratio"] == "" and ddp["comm_wait_ms"] == "" and ddp["codec_ms"] == ""
+    assert 0 < float(acp["codec_ms"]) < float(acp["iteration_ms"])
     plans = json.loads((sweep / "1" / "result.json").read_text())["plans"]
     expected = acp_sgd_wire_fraction(models.build("cnn"), {layout: plan["ops"] for layout, plan in plans.items()})
     assert float(acp["compression_ratio"]) == pytest.approx(expected, rel=1e-9)
@@ -304,7 +305,7 @@ def test_a_two_job_sweep_writes_its_summary(tmp_path, monkeypatch):
 
 def test_the_summary_labels_jobs_by_what_differs(tmp_path):
     breakdown = {"steps": 4, "iteration_ms": 10.0, "throughput": 6400.0, "measured_ms": None, "predicted_ms": None,
-                 "comm_wait_ms": None, "compression_ratio": None}
+                 "comm_wait_ms": None, "codec_ms": None, "compression_ratio": None}
     for job, strategy in ((10, "ddp"), (2, "wfbp")):
         (tmp_path / str(job)).mkdir()
         (tmp_path / str(job) / "result.json").write_text(json.dumps({
@@ -313,7 +314,7 @@ def test_the_summary_labels_jobs_by_what_differs(tmp_path):
     rows = collect(tmp_path)
     assert [(row["job"], row["label"], row["final_accuracy"]) for row in rows] == [
         ("2", "strategy=wfbp", 75.5), ("10", "strategy=ddp", 75.5)]
-    assert markdown(rows).splitlines()[2] == "| 2 | strategy=wfbp | 10.00 | 6400 | 75.50 | n/a | n/a | n/a |"
+    assert markdown(rows).splitlines()[2] == "| 2 | strategy=wfbp | 10.00 | 6400 | 75.50 | n/a | n/a | n/a | n/a |"
 
 
 def test_the_breakdown_takes_medians_of_the_forward_to_step_times_and_the_mean_of_bytes():
@@ -324,14 +325,15 @@ def test_the_breakdown_takes_medians_of_the_forward_to_step_times_and_the_mean_o
 
     # four steady iterations of a P/Q codec cycle, each with 3 ms between steps (not the model's
     # forward to step: its busy time plus the communication wait); the third spans an evaluation
-    history = [IterationStats(i, busy + wait + between, wait, sent, predicted, busy_time=busy)
-               for i, (busy, wait, between, sent, predicted) in enumerate(
-                   [(0.006, 0.001, 0.003, 100, 0.009), (0.007, 0.002, 0.003, 300, 0.011),
-                    (0.006, 0.003, 0.491, 100, 0.009), (0.007, 0.002, 0.003, 300, 0.011)])]
+    history = [IterationStats(i, busy + wait + between, wait, sent, predicted, busy_time=busy, codec_time=codec)
+               for i, (busy, wait, between, sent, predicted, codec) in enumerate(
+                   [(0.006, 0.001, 0.003, 100, 0.009, 0.001), (0.007, 0.002, 0.003, 300, 0.011, 0.004),
+                    (0.006, 0.003, 0.491, 100, 0.009, 0.002), (0.007, 0.002, 0.003, 300, 0.011, 0.005)])]
     timer = IterationTimer(runtime_of=lambda trainer: None)
     timer.step_times, timer.steady_step, timer.steady_iteration = [0.010, 0.012, 0.500, 0.011], 0, 0
     timer.runtime = SimpleNamespace(history=history, profile=SimpleNamespace(total_bytes=1000))
     breakdown = timer.breakdown(samples_per_step=64)
     assert breakdown["measured_ms"] == pytest.approx(9.0) and breakdown["iteration_ms"] == pytest.approx(11.5)
     assert breakdown["predicted_ms"] == pytest.approx(10.0) and breakdown["comm_wait_ms"] == pytest.approx(2.0)
+    assert breakdown["codec_ms"] == pytest.approx(3.0)
     assert breakdown["compression_ratio"] == pytest.approx(0.2)

@@ -398,6 +398,52 @@ def test_trace_and_stats(tmp_path):
         assert sent > 0 and iteration_time > 0 and predicted > 0
 
 
+class SlowIdentity(gradsync.compress.Codec):
+    """The identity codec, `pause` seconds slower per encode and per finish; it sums its pauses
+    per step."""
+
+    def __init__(self, pause):
+        self.pause, self.paused = pause, []
+
+    def encode(self, name, grad, step):
+        self._sleep(step)
+        return super().encode(name, grad, step)
+
+    def finish(self, name, parameter, step):
+        self._sleep(step)
+
+    def _sleep(self, step):
+        time.sleep(self.pause)
+        self.paused += [0.0] * (step + 1 - len(self.paused))
+        self.paused[step] += self.pause
+
+
+def codec_time_of_a_slow_codec(rank, world_size, pause, scheduler):
+    model = TiedNet()
+    codec = SlowIdentity(pause)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
+                                     compressor=codec, profile=synthetic_profile(model), cost=COST)
+    for step in range(3):
+        optimizer.zero_grad()
+        _loss(model, rank, step).backward()
+        optimizer.step()
+    optimizer.synchronize()  # the last step's deferred decoding is the next iteration's
+    history = attached(model).history
+    attached(model).detach()
+    return [(s.codec_time, s.comm_wait, s.iteration_time) for s in history], codec.paused
+
+
+@pytest.mark.parametrize("scheduler", ["mg_wfbp", "us_byte"])
+def test_iteration_stats_hold_the_codecs_encoding_and_decoding_time(scheduler):
+    # us_byte defers the input layers' decoding to the next forward: counted in that iteration
+    pause = 0.004
+    for stats, paused in run_local(codec_time_of_a_slow_codec, 2, pause, scheduler):
+        codec_times = [codec_time for codec_time, _, _ in stats]
+        assert sum(codec_times) >= sum(paused[:2]) and sum(codec_times) < sum(paused) + 0.02
+        for codec_time, comm_wait, iteration_time in stats:
+            assert codec_time >= 4 * pause and codec_time + comm_wait <= iteration_time
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -52,7 +52,8 @@ def test_the_run_holds_the_config_and_per_step_metrics(offline_run):
     assert config["strategy"]["name"] == "mg_wfbp" and config["trainer"]["max_steps"] == STEPS
     assert config["model"]["name"] == "cnn" and config["architecture"] == "cnn"  # job config and hparams
     history = [r["history"]["item"] for r in log if r["type"] == "history"]
-    for metric in ("train/loss", "gradsync/iteration_time", "gradsync/comm_wait", "gradsync/compression_ratio"):
+    for metric in ("train/loss", "gradsync/iteration_time", "gradsync/comm_wait", "gradsync/codec_time",
+                   "gradsync/compression_ratio"):
         assert sum(metric in row for row in history) == STEPS, metric
     assert sum("test/accuracy" in row for row in history) == 1
 
@@ -65,7 +66,7 @@ def test_the_run_holds_the_breakdown_the_plan_table_and_the_timeline(offline_run
         if record["type"] == "summary":
             summary.update(record["summary"].get("update", {}))
     breakdown = result["breakdown"]
-    for key in ("iteration_ms", "comm_wait_ms", "predicted_ms", "measured_ms", "compression_ratio"):
+    for key in ("iteration_ms", "comm_wait_ms", "codec_ms", "predicted_ms", "measured_ms", "compression_ratio"):
         assert summary[f"breakdown/{key}"] == pytest.approx(breakdown[key], rel=1e-9)
 
     table = json.loads(next((run / "files" / "media" / "table").glob("plan_*.table.json")).read_text())

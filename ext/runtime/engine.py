@@ -56,6 +56,7 @@ class IterationStats:
     update_time: float = 0.0  # serial work: buffer broadcast, optimizer step, codec work outside the hooks
     busy_time: float = 0.0  # from the iteration's first forward to the end of its step, less comm_wait
     compute_scale: float = 1.0  # the factor on the profile's times the prediction was made with
+    codec_time: float = 0.0  # the codec's encoding in this step and decoding in this iteration's waits
 
 
 class GradSync:
@@ -100,6 +101,7 @@ class GradSync:
         self.forward_started: float | None = None  # the iteration's first forward
         self.comm_wait = 0.0
         self.update_time = 0.0
+        self.decode_time = 0.0
         self.optimizer = None
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
                         model.register_state_dict_pre_hook(lambda *_: self.flush_deferred()),
@@ -296,6 +298,7 @@ class GradSync:
         decoding = executor.decode_seconds - decoded
         self.comm_wait += time.perf_counter() - started - decoding
         self.update_time += decoding
+        self.decode_time += decoding
 
     @contextmanager
     def _updating(self):
@@ -337,14 +340,16 @@ class GradSync:
         now = time.perf_counter()
         busy = max(0.0, now - (self.forward_started or self.iteration_started) - self.comm_wait)
         prediction = self.prediction(self.rounds_now)
+        encoding = sum(self.executors[layout].encode_seconds for layout in set(self.rounds_now))
         stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
                                sum(self.executors[layout].wire_bytes() for layout in self.rounds_now),
-                               prediction.time, self.update_time, busy, self.speed.scale)
+                               prediction.time, self.update_time, busy, self.speed.scale, encoding + self.decode_time)
         self.history.append(stats)
         if self.trace is not None:
             self.trace.iteration(stats)
         self.iteration += 1
-        self.iteration_started, self.forward_started, self.comm_wait, self.update_time = now, None, 0.0, 0.0
+        self.iteration_started, self.forward_started = now, None
+        self.comm_wait = self.update_time = self.decode_time = 0.0
         if self.measurement is not None:
             self.measurement.iteration_done(self)
         elif self.speed.observe(busy, prediction.busy):

@@ -65,6 +65,7 @@ class PlanExecutor:
         self.trace = trace
         self.ops = [self._op_state(op) for op in plan.ops]
         self.decode_seconds = 0.0  # time spent in the codec's finish, in all (inside the waits)
+        self.encode_seconds = 0.0  # time spent in the codec's encode in the current step
         self.ops_of_tensor: dict[str, list[int]] = {}
         for index, state in enumerate(self.ops):
             for name in state.tensors:
@@ -98,6 +99,7 @@ class PlanExecutor:
         """Reset for synchronised iteration `step`; `ready`: tensors already produced (a later
         round of the same step)."""
         self.step = step
+        self.encode_seconds = 0.0
         for state in self.ops:
             state.waiting_for = set(state.tensors)
             state.work, state.done = None, False
@@ -138,7 +140,9 @@ class PlanExecutor:
     def _wire(self, name: str) -> torch.Tensor | None:
         if name not in self.wires:
             grad = self.parameters[name].grad if self._used(name) else None
+            started = time.perf_counter()
             self.wires[name] = self.codec.encode(name, grad, self.step)
+            self.encode_seconds += time.perf_counter() - started
         return self.wires[name]
 
     def _launch(self, state: _OpState) -> None:

@@ -54,7 +54,8 @@ class ChromeTrace:
 
     def iteration(self, stats) -> None:
         self.events.append({"name": "iteration", "ph": "C", "pid": self.rank, "ts": self._us(time.perf_counter()),
-                            "args": {"iteration_ms": stats.iteration_time * 1e3, "comm_wait_ms": stats.comm_wait * 1e3}})
+                            "args": {"iteration_ms": stats.iteration_time * 1e3, "comm_wait_ms": stats.comm_wait * 1e3,
+                                     "codec_ms": stats.codec_time * 1e3}})
 
     def close(self) -> Path:
         names = [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": _COMPUTE, "args": {"name": "compute"}}]
