@@ -498,7 +498,7 @@ NOTES = [
     " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
     " speed, and the job's fitted cost); error = (predicted −"
     " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"
-    " trials: 3 iterations each, run alone; the slowest rank's median) before choosing.",
+    " trials: 2 turns of 2 iterations each, A B C C B A, run alone; the slowest rank's median) before choosing.",
     "One rank's batch of synthetic data: " + ", ".join(f"{name} {w.batch} {w.samples}" for name, w in WORKLOADS.items())
     + ", sized for the balance of computation and communication at 1 Gbit/s (REPRODUCTION.md).",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"

@@ -1,5 +1,6 @@
 """auto's plan trials: the plans worth comparing are timed on the live job and the fastest kept."""
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,12 +8,12 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync import compress, planners
-from gradsync.compress.planning import plan_alternatives, predict_cycle
+from gradsync.compress.planning import plan_alternatives, predict_cycle, steady_layouts
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.profile import zoo
-from gradsync.runtime import attached
-from gradsync.runtime.measure import kept_trial
+from gradsync.runtime import attached, measure
+from gradsync.runtime.measure import PlanTrials, kept_trial, trial_order
 from runtime_models import TiedNet, batch
 
 
@@ -25,6 +26,66 @@ from runtime_models import TiedNet, batch
 ])
 def test_kept_trial(seconds, tolerance, kept):
     assert kept_trial(seconds, tolerance) == kept
+
+
+@pytest.mark.parametrize("count, rounds, order", [
+    (3, 2, [0, 1, 2, 2, 1, 0]),
+    (2, 3, [0, 1, 1, 0, 0, 1]),
+    (2, 1, [0, 1]),
+])
+def test_trial_order_alternates_direction(count, rounds, order):
+    assert trial_order(count, rounds) == order
+
+
+class ScriptedSync:
+    """The parts of a GradSync that PlanTrials uses; a plan is named by its options' first
+    candidate (auto's own choice, options {}, is "auto's")."""
+
+    def __init__(self):
+        self.layout = SimpleNamespace(device=torch.device("cpu"))
+        self.codec = compress.build(None)
+        self.planner_options = {}
+        self.executor = SimpleNamespace(skip_step=False)
+        self.channels = SimpleNamespace(process_group=None)
+        self.installed: list[str] = []
+        self.plans = {}
+        self.measurement = None
+        self.trial_times = None
+
+    def install_plan(self, profile, cost, options=None):
+        name = options.get("candidates", ("auto's",))[0]
+        self.installed.append(name)
+        self.plans = {layout: SimpleNamespace(options={"chosen": name}) for layout in steady_layouts(self.codec)}
+
+
+def trials_under_drift(rank, world_size, seconds: dict, drift: float):
+    """PlanTrials on a scripted job whose plan `name` takes `seconds[name]` plus `drift` more at
+    every iteration (the host slowing down steadily); what was installed and timed."""
+    sync, clock = ScriptedSync(), {"now": 0.0}
+    measure._now = lambda device: clock["now"]
+    alternatives = [{}] + [{"candidates": (name,)} for name in list(seconds)[1:]]
+    sync.measurement = PlanTrials(sync, None, None, alternatives, iterations=2)
+    iteration = 0
+    while sync.measurement is not None:
+        clock["now"] += seconds[sync.installed[-1]] + drift * iteration
+        iteration += 1
+        sync.measurement.iteration_done(sync)
+    return {"installed": sync.installed, "trials": sync.trial_times, "iterations": iteration}
+
+
+def test_trials_visit_plans_both_ways_so_a_drifting_host_ranks_them_right():
+    # Timed one plan after the other (3 iterations each), the slowdown of 0.02 s per iteration
+    # would rank auto's choice first (1.04, 1.09, 1.10 s); visited A B C C B A, every plan's
+    # samples sit at the same mean time, and C, truly the fastest, is kept.
+    seconds = {"auto's": 1.00, "b": 0.97, "c": 0.90}
+    result = run_local(trials_under_drift, 1, seconds, 0.02, timeout=120)[0]
+    # a settling iteration after each switch; the second visit of c follows the first directly
+    assert result["iterations"] == 5 + 3 * 2 * 2
+    assert result["installed"] == ["auto's", "b", "c", "b", "auto's", "c"]
+    labels = [label for label, _ in result["trials"]]
+    assert labels == list(seconds)
+    for (label, median), truth in zip(result["trials"], seconds.values()):
+        assert median == pytest.approx(truth + 0.02 * 8.5)
 
 
 @pytest.mark.parametrize("compressor, steady", [(None, ("plain",)),
@@ -53,7 +114,7 @@ def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor
 
 
 def training_with_trials(rank, world_size):
-    """20 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
+    """24 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
     torch.manual_seed(3)
     model = TiedNet()
     reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
@@ -62,7 +123,7 @@ def training_with_trials(rank, world_size):
                                      candidates=("wfbp", "ddp", "us_byte"), plan_trials=3)
     ref_optimizer = make(reference.parameters())
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (optimizer, ref_optimizer)]
-    for step in range(20):
+    for step in range(24):
         for net, opt in ((model, optimizer), (reference, ref_optimizer)):
             opt.zero_grad()
             tokens, targets = batch(rank, step)

@@ -58,9 +58,9 @@ def wrap(
     layers are timed; the cost, a, b, γ, the host time per op and the slowdowns, is measured at
     wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
     once the profile is measured, auto's choice and the next best predicted plans, up to this many,
-    run 3 iterations each (whole codec cycles: 4 for ACP-SGD; after one to settle) and the fastest
-    measured replaces auto's choice if faster by more than auto's `tolerance`; below 2, auto's
-    choice is kept untimed. `channels`: process groups for simultaneous all-reduces
+    run twice in turn, forth then back (A B C C B A), 2 iterations per turn (whole codec cycles;
+    after one to settle), and the fastest median replaces auto's choice if faster by more than
+    auto's `tolerance`; below 2, auto's choice is kept untimed. `channels`: process groups for simultaneous all-reduces
     (default 2; passed to planners that take it). `nonfinite`: ``"raise"`` (name the parameter),
     ``"skip"`` (skip the step on every rank) or ``"ignore"``. `transport`: ``"allreduce"`` (the
     backend's) or ``"forest"`` (reduce/broadcast trees packed on `topology`: a Topology, a preset

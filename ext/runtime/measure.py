@@ -417,7 +417,17 @@ def slowest_times(profiles: list[ModelProfile]) -> ModelProfile:
     return ModelProfile(first.name, layers, dict(first.metadata))
 
 
-TRIAL_ITERATIONS = 3  # timed per trial, after one to settle; rounded up to whole codec cycles
+TRIAL_ITERATIONS = 2  # timed per visit of a plan, after one to settle; rounded up to whole codec cycles
+TRIAL_ROUNDS = 2  # visits of each plan
+
+
+def trial_order(count: int, rounds: int) -> list[int]:
+    """The order in which `count` plans are visited: `rounds` passes, every other one reversed
+    (0 1 2 2 1 0 …), so that a steady drift of the host's speed weighs on every plan alike."""
+    order: list[int] = []
+    for index in range(rounds):
+        order += list(range(count)) if index % 2 == 0 else list(reversed(range(count)))
+    return order
 
 
 def kept_trial(seconds: list[float], tolerance: float) -> int:
@@ -428,20 +438,25 @@ def kept_trial(seconds: list[float], tolerance: float) -> int:
 
 
 class PlanTrials(Measurement):
-    """Times the plans of `alternatives` (auto's option sets, auto's own choice first) for
-    `iterations` iterations each, after one iteration to settle the switch, and keeps the plan
-    with the smallest median iteration time, the slowest rank's; auto's own choice stays unless
-    that is faster by more than auto's `tolerance` (measurements are noisy too)."""
+    """Times the plans of `alternatives` (auto's option sets, auto's own choice first) on the live
+    job, visiting them in `trial_order` for `iterations` iterations per visit, after one iteration
+    to settle each switch (a visit that follows one of the same plan needs neither the switch nor
+    the settling), and keeps the plan with the smallest median iteration time over its visits, the
+    slowest rank's; auto's own choice stays unless that is faster by more than auto's `tolerance`
+    (measurements are noisy too)."""
 
     def __init__(self, sync, profile: ModelProfile, cost: CostModel, alternatives: list[dict], iterations: int):
         self.profile, self.cost = profile, cost
         self.alternatives = alternatives
         self.iterations = iterations
+        self.order = trial_order(len(alternatives), TRIAL_ROUNDS)
+        self.visit = 0  # position in `order`
+        self.taken = 0  # samples taken in this visit
         self.device = sync.layout.device
         self.last_end = _now(self.device)  # when the iteration being timed began
-        self.medians: list[float] = []
-        self.labels: list[str] = []  # the planners each trial's steady plans came from
-        self._install(sync, 0)
+        self.samples: list[list[float]] = [[] for _ in alternatives]
+        self.labels: list[str] = [""] * len(alternatives)  # the planners each trial's steady plans came from
+        self._install(sync, self.order[0])
 
     @classmethod
     def start(cls, sync, profile: ModelProfile, cost: CostModel, count: int) -> "PlanTrials | None":
@@ -459,8 +474,8 @@ class PlanTrials(Measurement):
     def _install(self, sync, index: int) -> None:
         sync.install_plan(self.profile, self.cost, options=self.alternatives[index])
         chosen = {sync.plans[layout].options["chosen"] for layout in steady_layouts(sync.codec)}
-        self.labels.append("/".join(sorted(chosen)))
-        self.settling, self.samples = True, []
+        self.labels[index] = "/".join(sorted(chosen))
+        self.settling = True
 
     def iteration_done(self, sync) -> None:
         ended = _now(self.device)
@@ -470,18 +485,26 @@ class PlanTrials(Measurement):
             return
         if sync.executor.skip_step:  # a step skipped for non-finite gradients (on every rank) is no sample
             return
-        self.samples.append(ended - started)
-        if len(self.samples) < self.iterations:
+        index = self.order[self.visit]
+        self.samples[index].append(ended - started)
+        self.taken += 1
+        if self.taken < self.iterations:
             return
-        self.medians.append(_median(self.samples))
-        if len(self.medians) < len(self.alternatives):
-            self._install(sync, len(self.medians))
-            return
-        slowest = torch.tensor(self.medians, dtype=torch.float64, device=self.device)
+        self.visit, self.taken = self.visit + 1, 0
+        if self.visit == len(self.order):
+            self._keep_fastest(sync, index)
+        elif self.order[self.visit] != index:
+            self._install(sync, self.order[self.visit])
+
+    def _keep_fastest(self, sync, installed: int) -> None:
+        """Keep the fastest trial (`kept_trial` on the slowest rank's medians); `installed` is the
+        trial whose plans run now."""
+        slowest = torch.tensor([_median(samples) for samples in self.samples], dtype=torch.float64,
+                               device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
-        self.medians = slowest.tolist()
-        fastest = kept_trial(self.medians, sync.planner_options.get("tolerance", DEFAULT_TOLERANCE))
-        if fastest != len(self.alternatives) - 1:  # else the last trial's plans are installed
+        medians = slowest.tolist()
+        fastest = kept_trial(medians, sync.planner_options.get("tolerance", DEFAULT_TOLERANCE))
+        if fastest != installed:
             sync.install_plan(self.profile, self.cost, options=self.alternatives[fastest])
-        sync.trial_times = list(zip(self.labels, self.medians))
+        sync.trial_times = list(zip(self.labels, medians))
         sync.measurement = None
