@@ -15,7 +15,10 @@ wrap-time probe's σ, per model, number of ranks and NIC rate:
 - slowdown = beside / alone, the slowest rank's; and the same for the forward and the backward
   pass apart (each pass's medians: a forward beside traffic is what a plan that defers its waits
   into the next forward runs);
-- probe σ: `measure_cost`'s compute_slowdown on the same job.
+- transfer slowdown τ: the traffic timed alone and beside the pass, the rate it kept beside the
+  pass (`slowdowns_of`, as the probe takes it), the median over the passes, the ranks' median;
+- probe σ and τ: `measure_cost`'s compute_slowdown and transfer_slowdown on the same job, fitted
+  `--probe-fits` times in a row: the median, and the range (how far one fit can land).
 
     .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 3 minutes)
 """
@@ -34,18 +37,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gradsync.runtime.channels import Channels
-from gradsync.runtime.measure import measure_cost
+from gradsync.runtime.measure import measure_cost, slowdowns_of
 
 from benchmarks.head_to_head import WORKLOADS
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform
 
 RESULTS = Path(__file__).parent / "results"
-TRAFFIC_MARGIN = 1.5  # the traffic launched lasts this many times the compute alone
+TRAFFIC_MARGIN = 3.0  # the traffic launched lasts this many times the compute alone (it must outlast it beside)
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
     """Median compute time alone and beside traffic on this rank (seconds; whole passes, and the
-    forward and backward pass apart), and the traffic's size."""
+    forward and backward pass apart), the traffic's size and its slowdown beside the pass."""
     torch.manual_seed(0)
     workload = WORKLOADS[job["model"]]
     model = workload.build_model()
@@ -78,16 +81,26 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the same numbers, so the same ops, on every rank
     ops = max(1, math.ceil(TRAFFIC_MARGIN * slowest[0].item() / slowest[1].item()))
     buffers = [gradient.clone() for _ in range(ops)]
-    beside = []
-    for _ in range(job["repeats"]):
+
+    def traffic(beside_compute: bool) -> tuple[tuple[float, float], float]:
+        """The pass's (forward, backward) seconds, if run, and the traffic's."""
         dist.barrier()
+        started = time.perf_counter()
         works = [dist.all_reduce(buffer, group=group, async_op=True) for buffer in buffers]
-        beside.append(compute())
+        passes = compute() if beside_compute else (0.0, 0.0)
         for work in works:
             work.wait()
+        return passes, time.perf_counter() - started
+
+    beside, transfer_slowdowns = [], []
+    for _ in range(job["repeats"]):
+        traffic_alone = traffic(False)[1]
+        passes, traffic_beside = traffic(True)
+        beside.append(passes)
+        transfer_slowdowns.append(slowdowns_of(alone, traffic_alone, sum(passes), traffic_beside)[1])
     channels = Channels(2)
     try:
-        probe = measure_cost(channels, gradient.numel() * gradient.element_size()).compute_slowdown
+        probes = [measure_cost(channels, gradient.numel() * gradient.element_size()) for _ in range(job["probe_fits"])]
     finally:
         channels.destroy()
     return {"alone": alone, "beside": statistics.median(sum(passes) for passes in beside),
@@ -95,7 +108,16 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
             "forward_beside": statistics.median(f for f, _ in beside),
             "backward_alone": statistics.median(b for _, b in passes_alone),
             "backward_beside": statistics.median(b for _, b in beside),
-            "ops": ops, "op_seconds": slowest[1].item(), "probe": probe}
+            "transfer_slowdown": statistics.median(transfer_slowdowns),
+            "ops": ops, "op_seconds": slowest[1].item(),
+            "probe_sigma": [probe.compute_slowdown for probe in probes],
+            "probe_tau": [probe.transfer_slowdown for probe in probes]}
+
+
+def fits(values: list[float]) -> str:
+    """A probe's fits: their median, and their range when there are several."""
+    median = f"{statistics.median(values):.2f}×"
+    return median if len(values) == 1 else f"{median} ({min(values):.2f}–{max(values):.2f})"
 
 
 def run(args) -> list[str]:
@@ -106,13 +128,16 @@ def run(args) -> list[str]:
                 for model in args.models:
                     print(f"running: {model}, {world_size} ranks, {rate}", flush=True)
                     reports = launch("benchmarks.interference:rank_main", world_size,
-                                     {"model": model, "repeats": args.repeats}, timeout=args.timeout)
+                                     {"model": model, "repeats": args.repeats, "probe_fits": args.probe_fits},
+                                     timeout=args.timeout)
                     alone, beside = (max(r[key] for r in reports) for key in ("alone", "beside"))
                     passes = [max(r[f"{kind}_beside"] for r in reports) / max(r[f"{kind}_alone"] for r in reports)
                               for kind in ("forward", "backward")]
+                    tau = statistics.median(r["transfer_slowdown"] for r in reports)
                     rows.append(f"| {model} | {world_size} | {rate} | {alone * 1e3:.1f} | {beside * 1e3:.1f} | "
                                 f"{beside / alone:.2f}× | {passes[0]:.2f}× | {passes[1]:.2f}× | "
-                                f"{reports[0]['probe']:.2f}× | {reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
+                                f"{fits(reports[0]['probe_sigma'])} | {tau:.2f}× | {fits(reports[0]['probe_tau'])} | "
+                                f"{reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
     return rows
 
 
@@ -122,6 +147,7 @@ def main(argv=None) -> None:
     cli.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
     cli.add_argument("--rates", nargs="+", choices=list(RATE_PRESETS), default=list(RATE_PRESETS))
     cli.add_argument("--repeats", type=int, default=9)
+    cli.add_argument("--probe-fits", type=int, default=3, help="times the wrap-time probe is fitted per job")
     cli.add_argument("--timeout", type=float, default=600.0, help="seconds per job before its ranks are killed")
     cli.add_argument("--out", type=Path, default=RESULTS / "interference.md")
     args = cli.parse_args(argv)
@@ -133,13 +159,14 @@ def main(argv=None) -> None:
     lines = ["# Interference: compute beside communication on the emulated cluster", "",
              f"Command: `python -m benchmarks.interference`. {os.cpu_count()} CPU cores shared by the ranks (one "
              f"thread each) and gloo; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
-             f"medians of {args.repeats} passes, the slowest rank's.", "",
+             f"medians of {args.repeats} passes, the slowest rank's; the probe fitted {args.probe_fits} times per job.", "",
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
-             "that outlast it; forward, backward: the slowdown of each pass apart; probe σ: the compute slowdown "
-             "`cost=\"measure\"` measures with matrix products (the simulator's model).", "",
+             "that outlast it; forward, backward: the slowdown of each pass apart; τ: the traffic's slowdown beside "
+             "the pass; probe σ, probe τ: the slowdowns `cost=\"measure\"` measures with matrix products (the "
+             "simulator's model).", "",
              "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | forward | backward |"
-             " probe σ | traffic: ops × ms alone |",
-             "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+             " probe σ | τ | probe τ | traffic: ops × ms alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 

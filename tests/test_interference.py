@@ -1,12 +1,12 @@
 """The interference benchmark's rank side on local gloo ranks (no shaped links needed)."""
 import pytest
 
-from benchmarks.interference import TRAFFIC_MARGIN, rank_main
+from benchmarks.interference import TRAFFIC_MARGIN, fits, rank_main
 from gradsync.launch import run_local
 
 
 def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
-    reports = run_local(rank_main, 2, {"model": "cnn", "repeats": 2}, timeout=300)
+    reports = run_local(rank_main, 2, {"model": "cnn", "repeats": 2, "probe_fits": 2}, timeout=300)
     assert reports[0]["ops"] == reports[1]["ops"] >= 1
     assert reports[0]["op_seconds"] == reports[1]["op_seconds"] > 0
     slowest_alone = max(r["alone"] for r in reports)
@@ -16,4 +16,12 @@ def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
         assert r["forward_alone"] > 0 and r["backward_alone"] > 0 and r["forward_beside"] > 0
         assert r["forward_alone"] + r["backward_alone"] == pytest.approx(r["alone"])
         assert r["forward_beside"] + r["backward_beside"] == pytest.approx(r["beside"])
-    assert reports[0]["probe"] == reports[1]["probe"] >= 1  # the wrap-time probe's σ, agreed by the ranks
+    for key in ("probe_sigma", "probe_tau"):  # the wrap-time probe's slowdowns, agreed by the ranks
+        assert reports[0][key] == reports[1][key] and len(reports[0][key]) == 2
+        assert min(reports[0][key]) >= 1
+    assert all(1 <= r["transfer_slowdown"] <= 20 for r in reports)
+
+
+def test_probe_fits_show_their_median_and_range():
+    assert fits([1.5]) == "1.50×"
+    assert fits([2.0, 1.25, 3.5]) == "2.00× (1.25–3.50)"
