@@ -269,8 +269,8 @@ def make_variant(row: Row, base: nn.Module, cost, topology: dict | None) -> Vari
 
 
 # Probe repeats for the job's cost: wrap's 5 leave a fitted a of 0.2-2.9 ms, a host time per op of
-# 0.2-0.7 ms and a τ of 1.0-1.9 over six fits in a row on one network (2 ranks, 1 Gbit/s); 15 give
-# 0.2-1.1 ms, 0.3-0.5 ms and 1.1-1.7.
+# 0.2-0.7 ms and a τ of 1.0-1.9 over six fits in a row on one network (2 ranks, 1 Gbit/s; a 10 ms
+# slowdown probe then); 15 give 0.2-1.1 ms, 0.3-0.5 ms and 1.1-1.7.
 COST_REPEATS = 15
 
 

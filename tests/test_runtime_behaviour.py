@@ -247,17 +247,20 @@ class FakeTransfer:
 
 
 def slowdowns_beside(rank, world_size, kind):
-    """measure_slowdowns with the all-reduce replaced by a FakeTransfer of about 30 ms."""
+    """measure_slowdowns with the all-reduce replaced by a FakeTransfer three times as long as the
+    probe's computation, as the real one."""
     from gradsync.runtime.channels import Channels
-    from gradsync.runtime.measure import measure_slowdowns
+    from gradsync.runtime.measure import SLOWDOWN_PROBE_SECONDS, measure_slowdowns
 
     channels = Channels(1)
+    transfer_seconds = 3 * SLOWDOWN_PROBE_SECONDS
     loops = 0
-    if kind == "busy":  # calibrate the loop to about 30 ms alone
+    if kind == "busy":  # calibrate the loop to that long alone
         started, count = time.perf_counter(), 200_000
         FakeTransfer(loops=count).wait()
-        loops = int(count * 0.03 / (time.perf_counter() - started))
-    channels.all_reduce = lambda channel, tensor: FakeTransfer(sleep=0.03 if kind == "idle" else 0.0, loops=loops)
+        loops = int(count * transfer_seconds / (time.perf_counter() - started))
+    channels.all_reduce = lambda channel, tensor: FakeTransfer(sleep=transfer_seconds if kind == "idle" else 0.0,
+                                                               loops=loops)
     try:
         return measure_slowdowns(channels, CostModel(1e-3, 1e-9))
     finally:

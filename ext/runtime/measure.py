@@ -189,13 +189,13 @@ def _median_over_ranks(channels: Channels, local: float, device) -> float:
     return _median([float(value.item()) for value in per_rank])
 
 
-SLOWDOWN_PROBE_SECONDS = 0.01
+SLOWDOWN_PROBE_SECONDS = 0.04  # 10 ms left τ spread over 1.9-4.9 between fits in a row (benchmarks/interference.py)
 MAX_SLOWDOWN = 20.0
 
 
 def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu",
                       repeats: int = 5) -> dict[str, float]:
-    """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 10 ms of computation
+    """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 40 ms of computation
     (matrix products) and an all-reduce on channel 0 that outlasts it (three times as long by
     `cost`, at most 64 MiB) timed alone and then together (`slowdowns_of`); each the median over
     `repeats` such triples and then over the ranks; at least 1."""
