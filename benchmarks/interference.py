@@ -18,7 +18,8 @@ wrap-time probe's σ, per model, number of ranks and NIC rate:
 - transfer slowdown τ: the traffic timed alone and beside the pass, the rate it kept beside the
   pass (`slowdowns_of`, as the probe takes it), the median over the passes, the ranks' median;
 - probe σ and τ: `measure_cost`'s compute_slowdown and transfer_slowdown on the same job, fitted
-  `--probe-fits` times in a row: the median, and the range (how far one fit can land).
+  `--probe-fits` times in a row: the median, and the range (how far one fit can land); and its
+  host time per op from the same fits.
 
     .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 3 minutes)
 """
@@ -111,12 +112,13 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
             "transfer_slowdown": statistics.median(transfer_slowdowns),
             "ops": ops, "op_seconds": slowest[1].item(),
             "probe_sigma": [probe.compute_slowdown for probe in probes],
-            "probe_tau": [probe.transfer_slowdown for probe in probes]}
+            "probe_tau": [probe.transfer_slowdown for probe in probes],
+            "probe_host": [probe.host for probe in probes]}
 
 
-def fits(values: list[float]) -> str:
+def fits(values: list[float], unit: str = "×") -> str:
     """A probe's fits: their median, and their range when there are several."""
-    median = f"{statistics.median(values):.2f}×"
+    median = f"{statistics.median(values):.2f}{unit}"
     return median if len(values) == 1 else f"{median} ({min(values):.2f}–{max(values):.2f})"
 
 
@@ -137,6 +139,7 @@ def run(args) -> list[str]:
                     rows.append(f"| {model} | {world_size} | {rate} | {alone * 1e3:.1f} | {beside * 1e3:.1f} | "
                                 f"{beside / alone:.2f}× | {passes[0]:.2f}× | {passes[1]:.2f}× | "
                                 f"{fits(reports[0]['probe_sigma'])} | {tau:.2f}× | {fits(reports[0]['probe_tau'])} | "
+                                f"{fits([host * 1e3 for host in reports[0]['probe_host']], ' ms')} | "
                                 f"{reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
     return rows
 
@@ -163,10 +166,10 @@ def main(argv=None) -> None:
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
              "that outlast it; forward, backward: the slowdown of each pass apart; τ: the traffic's slowdown beside "
              "the pass; probe σ, probe τ: the slowdowns `cost=\"measure\"` measures with matrix products (the "
-             "simulator's model).", "",
+             "simulator's model); probe host per op: the computing thread's time per op it measures.", "",
              "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | forward | backward |"
-             " probe σ | τ | probe τ | traffic: ops × ms alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+             " probe σ | τ | probe τ | probe host per op | traffic: ops × ms alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 

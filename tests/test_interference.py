@@ -16,12 +16,13 @@ def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
         assert r["forward_alone"] > 0 and r["backward_alone"] > 0 and r["forward_beside"] > 0
         assert r["forward_alone"] + r["backward_alone"] == pytest.approx(r["alone"])
         assert r["forward_beside"] + r["backward_beside"] == pytest.approx(r["beside"])
-    for key in ("probe_sigma", "probe_tau"):  # the wrap-time probe's slowdowns, agreed by the ranks
+    for key in ("probe_sigma", "probe_tau", "probe_host"):  # the wrap-time probe's fits, agreed by the ranks
         assert reports[0][key] == reports[1][key] and len(reports[0][key]) == 2
-        assert min(reports[0][key]) >= 1
+    assert min(reports[0]["probe_sigma"] + reports[0]["probe_tau"]) >= 1 and min(reports[0]["probe_host"]) >= 0
     assert all(1 <= r["transfer_slowdown"] <= 20 for r in reports)
 
 
 def test_probe_fits_show_their_median_and_range():
     assert fits([1.5]) == "1.50×"
     assert fits([2.0, 1.25, 3.5]) == "2.00× (1.25–3.50)"
+    assert fits([0.5, 0.7], " ms") == "0.60 ms (0.50–0.70)"
