@@ -21,7 +21,7 @@ wrap-time probe's σ, per model, number of ranks and NIC rate:
   `--probe-fits` times in a row: the median, and the range (how far one fit can land); and its
   host time per op from the same fits.
 
-    .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 3 minutes)
+    .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 6 minutes)
 """
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def _median_over_ranks(channels: Channels, local: float, device) -> float:
     return _median([float(value.item()) for value in per_rank])
 
 
-SLOWDOWN_PROBE_SECONDS = 0.04  # 10 ms left τ spread over 1.9-4.9 between fits in a row (benchmarks/interference.py)
+SLOWDOWN_PROBE_SECONDS = 0.04  # with 10 ms, three fits in a row gave τ 2.56-4.86 (benchmarks/interference.py)
 MAX_SLOWDOWN = 20.0
 
 
