@@ -12,7 +12,9 @@ stops (in training the next forward waits for them), before the next block: no r
 another's time. A block's time is its slowest rank's. torch DDP and gradsync
 ddp_buckets (the same buckets) run several blocks each per round, alternating: the runtime's
 overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job
-and given to every gradsync row.
+and given to every gradsync row; it is fitted twice more, midway through the timed rounds and after
+them, and the rows' predictions are made with the median of the three fits (the host's interference
+drifts over a run: see `median_cost`), beside those made with the first fit alone.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
 Rows run only when named: mg_wfbp_overlap and optimal_merge_overlap, the plans with their waits
 deferred to the next forward (the planners' `overlap_forward`).
@@ -51,7 +53,7 @@ from gradsync.topology import Topology, load, preset
 
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, from_topology, launch, netbed, uniform
 from benchmarks.overhead import small_cnn
-from benchmarks.simulator_replay import replay_record
+from benchmarks.simulator_replay import replay_record, replayed_prediction
 
 LOW_RANK = 4  # PowerSGD's r, equal for the torch hook and gradsync's powersgd and acp_sgd
 START_ITER = 2  # uncompressed steps before compression (the least the torch hook allows with error feedback)
@@ -285,6 +287,17 @@ def shared_cost(model: nn.Module):
         channels.destroy()
 
 
+def median_cost(fits: list[dict]) -> dict:
+    """The per-field median of several fits of the cost model (as `CostModel.to_dict` writes them).
+
+    What the host's cores lend to gloo drifts over a run: with 4 ranks at 1 Gbit/s, five fits of
+    the host time per op a minute apart ranged 1.4-3.9 ms however long the probe (16 to 96 ops,
+    5 to 9 repeats). A run's rows are timed across its whole length; their predictions take the
+    median of fits before, midway through and after the timed rounds."""
+    return {key: fits[0][key] if isinstance(fits[0][key], str) else statistics.median(fit[key] for fit in fits)
+            for key in fits[0]}
+
+
 def round_order(labels: list[str], pair: tuple[str, str] = OVERHEAD_PAIR, repeats: int = OVERHEAD_PAIRS) -> list[str]:
     """One round's blocks in run order: each row once, except the overhead's pair, which runs
     `repeats` times A B A B … where its first row stands (same-round ratios are the overhead's
@@ -305,7 +318,8 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     torch.manual_seed(0)
     workload = WORKLOADS[job["model"]]
     base = workload.build_model()
-    cost = shared_cost(base)
+    fits = [shared_cost(base)]  # the rows plan with this one
+    cost = fits[0]
     compute_only = copy.deepcopy(base)
     variants = [Variant(COMPUTE_ONLY, compute_only, torch.optim.SGD(compute_only.parameters(), lr=LEARNING_RATE),
                         gradsync=False)]
@@ -315,14 +329,18 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     for variant in variants:
         variant.calibrate(inputs, labels)
     by_label = {variant.label: variant for variant in variants}
+    midway = job["warmup_rounds"] + job["rounds"] // 2
     for round_index in range(job["warmup_rounds"] + job["rounds"]):
+        if round_index == midway:
+            fits.append(shared_cost(base))
         for label in round_order(list(by_label)):
             by_label[label].block(inputs, labels, job["block"], timed=round_index >= job["warmup_rounds"])
+    fits.append(shared_cost(base))
     reports = {variant.label: variant.report() for variant in variants}
     for variant in variants:
         if variant.gradsync:
             attached(variant.model).detach()
-    return {"rows": reports, "cost": cost.to_dict()}
+    return {"rows": reports, "cost": cost.to_dict(), "fits": [fit.to_dict() for fit in fits]}
 
 
 # -- summary ---------------------------------------------------------------------------------------
@@ -348,10 +366,15 @@ class RowResult:
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
+    first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
 
     @property
     def error(self) -> float | None:
         return None if self.predicted is None else (self.predicted - self.seconds) / self.seconds
+
+    @property
+    def first_fit_error(self) -> float | None:
+        return None if self.first_fit_predicted is None else (self.first_fit_predicted - self.seconds) / self.seconds
 
     @property
     def half_difference(self) -> float | None:
@@ -367,8 +390,11 @@ class RowResult:
 def summarise(reports: list[dict]) -> dict[str, RowResult]:
     """Per row: the median over blocks of the slowest rank's block time; gradsync's communication
     wait and prediction as medians of the ranks' means; torch rows' communication is their time
-    beyond the compute-only reference."""
+    beyond the compute-only reference. A row that planned with the job's cost is predicted again
+    with the median of the job's fits (`median_cost`), its prediction made during the run kept as
+    `first_fit_predicted`."""
     labels = list(reports[0]["rows"])
+    run_cost = median_cost(reports[0]["fits"]) if reports[0].get("fits") else None
 
     def over_ranks(label: str, key: str, combine) -> tuple[float, ...]:
         """Per block of the row (the overhead's pair has more than the others), over the ranks."""
@@ -389,8 +415,12 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
         else:
             comm, predicted = (None if label == COMPUTE_ONLY else max(0.0, seconds - compute)), None
         codec = median_over_blocks(label, "codec", statistics.fmean) if row.get("codec") else None
+        replay, first_fit = row.get("replay"), None
+        if run_cost is not None and replay is not None and replay["cost"] == reports[0]["cost"]:
+            replay = {**replay, "cost": run_cost}
+            first_fit, predicted = predicted, replayed_prediction(replay)
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
-                                   row.get("replay"), codec)
+                                   replay, codec, first_fit)
     return results
 
 
@@ -407,13 +437,23 @@ def paired_ratio(results: dict[str, RowResult], label: str, baseline: str = ROWS
     return statistics.median(row / base for row, base in zip(results[label].blocks, results[baseline].blocks, strict=True))
 
 
-def cost_line(cost: dict, world_size: int) -> str:
-    """The fitted all-reduce cost, with b read as a ring's per-link bandwidth (2(N−1)/N bytes per byte)."""
+def cost_line(fits: list[dict], world_size: int) -> str:
+    """The job's fitted all-reduce cost, the median of its fits (`median_cost`), with b read as a
+    ring's per-link bandwidth (2(N−1)/N bytes per byte); and the range of the fits' host time and
+    slowdowns."""
+    cost = median_cost(fits)
     link_gbps = 2 * (world_size - 1) / world_size * 8 / cost["b"] / 1e9
-    return (f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link,"
+    line = (f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link,"
             f" γ = {cost['gamma']:.2f}, host time per op {cost['host'] * 1e3:.2f} ms,"
             f" slowdowns σ = {cost['compute_slowdown']:.2f} (computation), τ = {cost['transfer_slowdown']:.2f}"
             " (transfers)")
+    if len(fits) == 1:
+        return line
+    spread = ", ".join(f"{name} {min(fit[key] for fit in fits) * scale:.2f}–{max(fit[key] for fit in fits) * scale:.2f}"
+                       for name, key, scale in (("host ms", "host", 1e3), ("σ", "compute_slowdown", 1),
+                                                ("τ", "transfer_slowdown", 1)))
+    return (line + f"; the median of {len(fits)} fits (before, midway through and after the timed rounds; the rows"
+            f" planned with the first): {spread}")
 
 
 def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:
@@ -471,8 +511,11 @@ def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
     repeatability = (f"; the measurement itself: a row's first and second half of blocks differ by "
                      f"{statistics.median(repeats):.1%} (median over the same rows)" if repeats else "")
     measured_error = "not measured" if median_error is None else f"{median_error:.1%}"
+    first_fit = [abs(r.first_fit_error) for r in predicted if r.first_fit_error is not None]
+    with_first_fit = (f"; with the first fit of each job's cost alone (what the rows planned with): "
+                      f"{statistics.median(first_fit):.1%} over {len(first_fit)} rows" if first_fit else "")
     lines.append(f"- simulator error, median |error| over {len(predicted)} gradsync rows: {measured_error}"
-                 f" (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}" + repeatability)
+                 f" (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}" + repeatability + with_first_fit)
     overheads = [(setting, paired_ratio(results, ROWS["ddp_buckets"].label) - 1)
                  for setting, results in summaries.items()
                  if ROWS["ddp_buckets"].label in results and ROWS["ddp"].label in results]
@@ -496,7 +539,8 @@ NOTES = [
     " on the computing thread (IterationStats.codec_time, the ranks' mean; for a row without a compressor"
     " the identity codec's reshapes and copies). Predicted: the simulator's iteration time"
     " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
-    " speed, and the job's fitted cost); error = (predicted −"
+    " speed, and the job's cost: the median of its fits before, midway through and after the timed rounds);"
+    " error = (predicted −"
     " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"
     " trials: 2 turns of 2 iterations each, A B C C B A, run alone; the slowest rank's median) before choosing.",
     "One rank's batch of synthetic data: " + ", ".join(f"{name} {w.batch} {w.samples}" for name, w in WORKLOADS.items())
@@ -610,7 +654,7 @@ def run_settings(args) -> tuple[dict, dict, dict]:
                     print(f"  failed: {failures[setting]}", flush=True)
                     continue
                 summaries[setting] = summarise(reports)
-                costs[setting] = cost_line(reports[0]["cost"], world_size)
+                costs[setting] = cost_line(reports[0].get("fits") or [reports[0]["cost"]], world_size)
                 print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
     return summaries, costs, failures
 

@@ -1,12 +1,19 @@
 """The head-to-head's summary: slowest-rank block times, medians, the paired overhead ratio, the
-measurement's repeatability and the stolen CPU time."""
+measurement's repeatability, predictions with the median of the job's cost fits and the stolen CPU
+time."""
+import json
 import os
 
 import pytest
 
 from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
-                                     Setting, default_rows, paired_ratio, round_order, setting_table, steal_note,
-                                     stolen_cpu_seconds, summarise, targets)
+                                     Setting, cost_line, default_rows, median_cost, paired_ratio, round_order,
+                                     setting_table, steal_note, stolen_cpu_seconds, summarise, targets)
+from benchmarks.simulator_replay import replay_record, replayed_prediction
+from gradsync import compress
+from gradsync.compress.planning import predict_cycle
+from gradsync.cost import CostModel
+from gradsync.profile import zoo
 
 DDP, BUCKETS = ROWS["ddp"].label, ROWS["ddp_buckets"].label
 
@@ -132,3 +139,40 @@ def test_the_best_non_compressing_plan_counts_every_uncompressed_gradsync_row_th
 def test_on_request_rows_run_only_when_named_and_topology_rows_only_on_a_topology():
     assert set(default_rows(topology=True)) == set(ROWS) - set(ON_REQUEST_ROWS)
     assert set(default_rows(topology=False)) == set(ROWS) - set(ON_REQUEST_ROWS) - set(TOPOLOGY_ROWS)
+
+
+def fit(host: float, sigma: float, a: float = 1e-3) -> dict:
+    return CostModel(a=a, b=8e-9, gamma=1.5, host=host, compute_slowdown=sigma, transfer_slowdown=1.1).to_dict()
+
+
+def test_the_median_cost_takes_each_field_apart():
+    fits = [fit(1e-3, 1.2, a=3e-3), fit(4e-3, 1.9, a=1e-3), fit(2e-3, 1.5, a=2e-3)]
+    assert median_cost(fits) == fit(2e-3, 1.5, a=2e-3)
+    line = cost_line(fits, 2)
+    assert "host time per op 2.00 ms" in line and "σ = 1.50" in line and "a = 2.00 ms" in line
+    assert "median of 3 fits" in line and "host ms 1.00–4.00, σ 1.20–1.90, τ 1.10–1.10" in line
+    assert "fits" not in cost_line(fits[:1], 2)
+
+
+def test_rows_planned_with_the_jobs_cost_are_predicted_with_the_median_of_its_fits():
+    first, fits = fit(1e-3, 1.2), [fit(1e-3, 1.2), fit(5e-3, 2.0), fit(3e-3, 1.6)]
+    profile = zoo("resnet50")
+    codec = compress.build(None)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 2, seed=0)
+    plans, at_first_fit = predict_cycle(profile, CostModel.from_dict(first), "wfbp", codec, {})
+    record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), CostModel.from_dict(first))))
+    wfbp, forest = ROWS["wfbp"].label, "gradsync forest"
+    report = rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [3.0] * 3})
+    own_cost = {**record, "cost": fit(2e-3, 1.0)}  # a row that fitted its own cost (forest)
+    for label, replay in ((wfbp, record), (forest, own_cost)):
+        report["rows"][label] = {"seconds": [0.5] * 3, "comm_wait": [0.01] * 3, "predicted": [at_first_fit] * 3,
+                                 "replay": replay}
+    results = summarise([{**report, "cost": first, "fits": fits}])
+    expected = replayed_prediction({**record, "cost": median_cost(fits)})
+    assert results[wfbp].predicted == pytest.approx(expected) and expected > at_first_fit * 1.02
+    assert results[wfbp].first_fit_predicted == pytest.approx(at_first_fit)
+    assert results[wfbp].replay["cost"] == median_cost(fits)  # the stored record replays to the prediction
+    assert results[forest].predicted == pytest.approx(at_first_fit) and results[forest].first_fit_predicted is None
+    [line] = [line for line in targets({Setting("cnn", 2, "1gbit"): results}) if "simulator" in line]
+    first_fit_error = abs(at_first_fit - 0.5) / 0.5
+    assert f"with the first fit of each job's cost alone (what the rows planned with): {first_fit_error:.1%} over 1 rows" in line
