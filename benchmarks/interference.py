@@ -19,13 +19,17 @@ wrap-time probe's σ, per model, number of ranks and NIC rate:
   pass (`slowdowns_of`, as the probe takes it), the median over the passes, the ranks' median;
 - probe σ and τ: `measure_cost`'s compute_slowdown and transfer_slowdown on the same job, fitted
   `--probe-fits` times in a row: the median, and the range (how far one fit can land); and its
-  host time per op from the same fits.
+  host time per op from the same fits (with `--host-probe-ops` and `--host-probe-repeats`, from a
+  longer or shorter host probe than wrap's after each fit).
 
     .venv/bin/python -m benchmarks.interference            # 2 and 4 ranks, 1 and 10 Gbit/s (about 6 minutes)
+    .venv/bin/python -m benchmarks.interference --world-sizes 4 --rates 1gbit --models cnn \
+        --probe-fits 5 --host-probe-ops 96 --host-probe-repeats 9   # does a longer host probe steady it?
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -38,13 +42,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gradsync.runtime.channels import Channels
-from gradsync.runtime.measure import measure_cost, slowdowns_of
+from gradsync.runtime.measure import HOST_PROBE_OPS, measure_cost, measure_host, slowdowns_of
 
 from benchmarks.head_to_head import WORKLOADS
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform
 
 RESULTS = Path(__file__).parent / "results"
 TRAFFIC_MARGIN = 3.0  # the traffic launched lasts this many times the compute alone (it must outlast it beside)
+WRAP_PROBE_REPEATS = 5  # measure_cost's default
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
@@ -99,9 +104,18 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
         passes, traffic_beside = traffic(True)
         beside.append(passes)
         transfer_slowdowns.append(slowdowns_of(alone, traffic_alone, sum(passes), traffic_beside)[1])
+    host_ops, host_repeats = job.get("host_probe", (HOST_PROBE_OPS, WRAP_PROBE_REPEATS))
+
+    def probe(channels: Channels):
+        """The cost wrap fits, its host time per op from a host probe of `host_ops` × `host_repeats`."""
+        cost = measure_cost(channels, gradient.numel() * gradient.element_size(), repeats=WRAP_PROBE_REPEATS)
+        if (host_ops, host_repeats) == (HOST_PROBE_OPS, WRAP_PROBE_REPEATS):
+            return cost
+        return dataclasses.replace(cost, host=measure_host(channels, cost, repeats=host_repeats, ops=host_ops))
+
     channels = Channels(2)
     try:
-        probes = [measure_cost(channels, gradient.numel() * gradient.element_size()) for _ in range(job["probe_fits"])]
+        probes = [probe(channels) for _ in range(job["probe_fits"])]
     finally:
         channels.destroy()
     return {"alone": alone, "beside": statistics.median(sum(passes) for passes in beside),
@@ -130,7 +144,8 @@ def run(args) -> list[str]:
                 for model in args.models:
                     print(f"running: {model}, {world_size} ranks, {rate}", flush=True)
                     reports = launch("benchmarks.interference:rank_main", world_size,
-                                     {"model": model, "repeats": args.repeats, "probe_fits": args.probe_fits},
+                                     {"model": model, "repeats": args.repeats, "probe_fits": args.probe_fits,
+                                      "host_probe": (args.host_probe_ops, args.host_probe_repeats)},
                                      timeout=args.timeout)
                     alone, beside = (max(r[key] for r in reports) for key in ("alone", "beside"))
                     passes = [max(r[f"{kind}_beside"] for r in reports) / max(r[f"{kind}_alone"] for r in reports)
@@ -151,18 +166,25 @@ def main(argv=None) -> None:
     cli.add_argument("--rates", nargs="+", choices=list(RATE_PRESETS), default=list(RATE_PRESETS))
     cli.add_argument("--repeats", type=int, default=9)
     cli.add_argument("--probe-fits", type=int, default=3, help="times the wrap-time probe is fitted per job")
+    cli.add_argument("--host-probe-ops", type=int, default=HOST_PROBE_OPS, help="ops per run of the host probe")
+    cli.add_argument("--host-probe-repeats", type=int, default=WRAP_PROBE_REPEATS,
+                     help="pairs of runs (without and with ops) the host probe takes the median of")
     cli.add_argument("--timeout", type=float, default=600.0, help="seconds per job before its ranks are killed")
     cli.add_argument("--out", type=Path, default=RESULTS / "interference.md")
     args = cli.parse_args(argv)
+    if min(args.host_probe_ops, args.host_probe_repeats, args.probe_fits) < 1:
+        cli.error("--host-probe-ops, --host-probe-repeats and --probe-fits must be at least 1")
+    command = " ".join(["python -m benchmarks.interference", *(sys.argv[1:] if argv is None else argv)])
     load_before = os.getloadavg()[0]
     try:
         rows = run(args)
     except NetbedUnavailable as missing:
         sys.exit(f"interference: {missing}")
     lines = ["# Interference: compute beside communication on the emulated cluster", "",
-             f"Command: `python -m benchmarks.interference`. {os.cpu_count()} CPU cores shared by the ranks (one "
+             f"Command: `{command}`. {os.cpu_count()} CPU cores shared by the ranks (one "
              f"thread each) and gloo; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
-             f"medians of {args.repeats} passes, the slowest rank's; the probe fitted {args.probe_fits} times per job.", "",
+             f"medians of {args.repeats} passes, the slowest rank's; the probe fitted {args.probe_fits} times per job"
+             f" (host probe: {args.host_probe_ops} ops, {args.host_probe_repeats} repeats).", "",
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
              "that outlast it; forward, backward: the slowdown of each pass apart; τ: the traffic's slowdown beside "
              "the pass; probe σ, probe τ: the slowdowns `cost=\"measure\"` measures with matrix products (the "

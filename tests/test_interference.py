@@ -1,12 +1,13 @@
 """The interference benchmark's rank side on local gloo ranks (no shaped links needed)."""
 import pytest
 
-from benchmarks.interference import TRAFFIC_MARGIN, fits, rank_main
+from benchmarks.interference import TRAFFIC_MARGIN, fits, main, rank_main
 from gradsync.launch import run_local
 
 
 def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
-    reports = run_local(rank_main, 2, {"model": "cnn", "repeats": 2, "probe_fits": 2}, timeout=300)
+    job = {"model": "cnn", "repeats": 2, "probe_fits": 2, "host_probe": (4, 2)}  # a shorter host probe than wrap's
+    reports = run_local(rank_main, 2, job, timeout=300)
     assert reports[0]["ops"] == reports[1]["ops"] >= 1
     assert reports[0]["op_seconds"] == reports[1]["op_seconds"] > 0
     slowest_alone = max(r["alone"] for r in reports)
@@ -26,3 +27,10 @@ def test_probe_fits_show_their_median_and_range():
     assert fits([1.5]) == "1.50×"
     assert fits([2.0, 1.25, 3.5]) == "2.00× (1.25–3.50)"
     assert fits([0.5, 0.7], " ms") == "0.60 ms (0.50–0.70)"
+
+
+@pytest.mark.parametrize("option", ["--host-probe-ops", "--host-probe-repeats", "--probe-fits"])
+def test_a_probe_of_no_ops_or_no_repeats_is_refused_before_any_network_is_made(option, capsys):
+    with pytest.raises(SystemExit):
+        main([option, "0"])
+    assert "must be at least 1" in capsys.readouterr().err
