@@ -290,10 +290,11 @@ def shared_cost(model: nn.Module):
 def median_cost(fits: list[dict]) -> dict:
     """The per-field median of several fits of the cost model (as `CostModel.to_dict` writes them).
 
-    What the host's cores lend to gloo drifts over a run: with 4 ranks at 1 Gbit/s, five fits of
-    the host time per op a minute apart ranged 1.4-3.9 ms however long the probe (16 to 96 ops,
-    5 to 9 repeats). A run's rows are timed across its whole length; their predictions take the
-    median of fits before, midway through and after the timed rounds."""
+    What the host's cores lend to gloo drifts over a run: with 4 ranks at 1 Gbit/s (CNN), five fits
+    in a row put the host time per op at 1.44-3.65 ms with wrap's probe, and at 2.14-3.69 ms with
+    one taking 6 times as long (`benchmarks.interference --probe-fits 5 --host-probe-ops 96
+    --host-probe-repeats 9`). A run's rows are timed across its whole length; their predictions
+    take the median of fits before, midway through and after the timed rounds."""
     return {key: fits[0][key] if isinstance(fits[0][key], str) else statistics.median(fit[key] for fit in fits)
             for key in fits[0]}
 
