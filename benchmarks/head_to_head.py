@@ -319,8 +319,8 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     torch.manual_seed(0)
     workload = WORKLOADS[job["model"]]
     base = workload.build_model()
-    fits = [shared_cost(base)]  # the rows plan with this one
-    cost = fits[0]
+    cost = shared_cost(base)  # the rows plan with this fit
+    fits = [cost]
     compute_only = copy.deepcopy(base)
     variants = [Variant(COMPUTE_ONLY, compute_only, torch.optim.SGD(compute_only.parameters(), lr=LEARNING_RATE),
                         gradsync=False)]
@@ -448,8 +448,6 @@ def cost_line(fits: list[dict], world_size: int) -> str:
             f" γ = {cost['gamma']:.2f}, host time per op {cost['host'] * 1e3:.2f} ms,"
             f" slowdowns σ = {cost['compute_slowdown']:.2f} (computation), τ = {cost['transfer_slowdown']:.2f}"
             " (transfers)")
-    if len(fits) == 1:
-        return line
     spread = ", ".join(f"{name} {min(fit[key] for fit in fits) * scale:.2f}–{max(fit[key] for fit in fits) * scale:.2f}"
                        for name, key, scale in (("host ms", "host", 1e3), ("σ", "compute_slowdown", 1),
                                                 ("τ", "transfer_slowdown", 1)))
@@ -655,7 +653,7 @@ def run_settings(args) -> tuple[dict, dict, dict]:
                     print(f"  failed: {failures[setting]}", flush=True)
                     continue
                 summaries[setting] = summarise(reports)
-                costs[setting] = cost_line(reports[0].get("fits") or [reports[0]["cost"]], world_size)
+                costs[setting] = cost_line(reports[0]["fits"], world_size)
                 print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
     return summaries, costs, failures
 
