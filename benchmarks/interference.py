@@ -42,14 +42,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gradsync.runtime.channels import Channels
-from gradsync.runtime.measure import HOST_PROBE_OPS, measure_cost, measure_host, slowdowns_of
+from gradsync.runtime.measure import measure_cost, measure_host, slowdowns_of
 
 from benchmarks.head_to_head import WORKLOADS
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform
 
 RESULTS = Path(__file__).parent / "results"
 TRAFFIC_MARGIN = 3.0  # the traffic launched lasts this many times the compute alone (it must outlast it beside)
-WRAP_PROBE_REPEATS = 5  # measure_cost's default
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
@@ -104,14 +103,12 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
         passes, traffic_beside = traffic(True)
         beside.append(passes)
         transfer_slowdowns.append(slowdowns_of(alone, traffic_alone, sum(passes), traffic_beside)[1])
-    host_ops, host_repeats = job.get("host_probe", (HOST_PROBE_OPS, WRAP_PROBE_REPEATS))
+    host_probe = job.get("host_probe", {})  # measure_host's ops and repeats where not wrap's
 
     def probe(channels: Channels):
-        """The cost wrap fits, its host time per op from a host probe of `host_ops` × `host_repeats`."""
-        cost = measure_cost(channels, gradient.numel() * gradient.element_size(), repeats=WRAP_PROBE_REPEATS)
-        if (host_ops, host_repeats) == (HOST_PROBE_OPS, WRAP_PROBE_REPEATS):
-            return cost
-        return dataclasses.replace(cost, host=measure_host(channels, cost, repeats=host_repeats, ops=host_ops))
+        """The cost wrap fits; with `host_probe`, its host time per op from such a host probe."""
+        cost = measure_cost(channels, gradient.numel() * gradient.element_size())
+        return dataclasses.replace(cost, host=measure_host(channels, cost, **host_probe)) if host_probe else cost
 
     channels = Channels(2)
     try:
@@ -145,7 +142,7 @@ def run(args) -> list[str]:
                     print(f"running: {model}, {world_size} ranks, {rate}", flush=True)
                     reports = launch("benchmarks.interference:rank_main", world_size,
                                      {"model": model, "repeats": args.repeats, "probe_fits": args.probe_fits,
-                                      "host_probe": (args.host_probe_ops, args.host_probe_repeats)},
+                                      "host_probe": host_probe_options(args)},
                                      timeout=args.timeout)
                     alone, beside = (max(r[key] for r in reports) for key in ("alone", "beside"))
                     passes = [max(r[f"{kind}_beside"] for r in reports) / max(r[f"{kind}_alone"] for r in reports)
@@ -159,6 +156,12 @@ def run(args) -> list[str]:
     return rows
 
 
+def host_probe_options(args) -> dict[str, int]:
+    """The host probe's `measure_host` options given on the command line (none: wrap's probe)."""
+    given = {"ops": args.host_probe_ops, "repeats": args.host_probe_repeats}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def main(argv=None) -> None:
     cli = argparse.ArgumentParser(prog="python -m benchmarks.interference", description=__doc__.splitlines()[0])
     cli.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
@@ -166,13 +169,13 @@ def main(argv=None) -> None:
     cli.add_argument("--rates", nargs="+", choices=list(RATE_PRESETS), default=list(RATE_PRESETS))
     cli.add_argument("--repeats", type=int, default=9)
     cli.add_argument("--probe-fits", type=int, default=3, help="times the wrap-time probe is fitted per job")
-    cli.add_argument("--host-probe-ops", type=int, default=HOST_PROBE_OPS, help="ops per run of the host probe")
-    cli.add_argument("--host-probe-repeats", type=int, default=WRAP_PROBE_REPEATS,
-                     help="pairs of runs (without and with ops) the host probe takes the median of")
+    cli.add_argument("--host-probe-ops", type=int, help="ops per run of the host probe (default: wrap's)")
+    cli.add_argument("--host-probe-repeats", type=int,
+                     help="pairs of runs (without and with ops) the host probe takes the median of (default: wrap's)")
     cli.add_argument("--timeout", type=float, default=600.0, help="seconds per job before its ranks are killed")
     cli.add_argument("--out", type=Path, default=RESULTS / "interference.md")
     args = cli.parse_args(argv)
-    if min(args.host_probe_ops, args.host_probe_repeats, args.probe_fits) < 1:
+    if min([args.probe_fits, *host_probe_options(args).values()]) < 1:
         cli.error("--host-probe-ops, --host-probe-repeats and --probe-fits must be at least 1")
     command = " ".join(["python -m benchmarks.interference", *(sys.argv[1:] if argv is None else argv)])
     load_before = os.getloadavg()[0]
@@ -184,7 +187,7 @@ def main(argv=None) -> None:
              f"Command: `{command}`. {os.cpu_count()} CPU cores shared by the ranks (one "
              f"thread each) and gloo; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
              f"medians of {args.repeats} passes, the slowest rank's; the probe fitted {args.probe_fits} times per job"
-             f" (host probe: {args.host_probe_ops} ops, {args.host_probe_repeats} repeats).", "",
+             f" (host probe: {host_probe_options(args) or 'as wrap fits it'}).", "",
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
              "that outlast it; forward, backward: the slowdown of each pass apart; τ: the traffic's slowdown beside "
              "the pass; probe σ, probe τ: the slowdowns `cost=\"measure\"` measures with matrix products (the "

@@ -6,7 +6,7 @@ from gradsync.launch import run_local
 
 
 def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
-    job = {"model": "cnn", "repeats": 2, "probe_fits": 2, "host_probe": (4, 2)}  # a shorter host probe than wrap's
+    job = {"model": "cnn", "repeats": 2, "probe_fits": 2, "host_probe": {"ops": 4, "repeats": 2}}  # a shorter host probe than wrap's
     reports = run_local(rank_main, 2, job, timeout=300)
     assert reports[0]["ops"] == reports[1]["ops"] >= 1
     assert reports[0]["op_seconds"] == reports[1]["op_seconds"] > 0
