@@ -486,6 +486,19 @@ def speedup_target(value: float | None, baseline: str, goal: float) -> str:
     return f"{value:.2f}× {baseline} (target ≥ {goal:g}×): {verdict(value, goal)}"
 
 
+def error_by_world_size(summaries: dict[Setting, dict[str, RowResult]]) -> str:
+    """The simulator's median |error| per number of ranks, where the run had more than one (ranks
+    beyond the host's cores share them, and with them the network's processing)."""
+    errors: dict[int, list[float]] = {}
+    for setting, results in summaries.items():
+        errors.setdefault(setting.world_size, []).extend(abs(r.error) for r in results.values() if r.error is not None)
+    errors = {size: values for size, values in sorted(errors.items()) if values}
+    if len(errors) < 2:
+        return ""
+    return "; by ranks: " + ", ".join(f"{size} ranks {statistics.median(values):.1%} over {len(values)} rows"
+                                      for size, values in errors.items())
+
+
 def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
     """The project's four targets, each with its measured value and verdict."""
     lines = []
@@ -514,7 +527,8 @@ def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
     with_first_fit = (f"; with the first fit of each job's cost alone (what the rows planned with): "
                       f"{statistics.median(first_fit):.1%} over {len(first_fit)} rows" if first_fit else "")
     lines.append(f"- simulator error, median |error| over {len(predicted)} gradsync rows: {measured_error}"
-                 f" (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}" + repeatability + with_first_fit)
+                 f" (target ≤ 5%): {verdict(median_error, 0.05, at_least=False)}" + repeatability + with_first_fit
+                 + error_by_world_size(summaries))
     overheads = [(setting, paired_ratio(results, ROWS["ddp_buckets"].label) - 1)
                  for setting, results in summaries.items()
                  if ROWS["ddp_buckets"].label in results and ROWS["ddp"].label in results]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from gradsync.profile import ModelProfile
 from gradsync.runtime.measure import slowest_times
 
 DEFAULT_RECORD = Path(__file__).parent / "results" / "head_to_head.json"
+RANKS_IN_TITLE = re.compile(r", (\d+) ranks, ")  # a setting's title (benchmarks.head_to_head.Setting.title)
 
 
 def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel,
@@ -93,7 +95,20 @@ def main(argv=None) -> None:
               f" | {now * 1e3:.1f} ({(now - measured) / measured:+.1%}) |")
     for name, column in (("stored", 3), ("now", 4)):
         errors = [abs(row[column] - row[2]) / row[2] for row in rows]
-        print(f"median |error| {name}: {statistics.median(errors):.1%} over {len(errors)} rows")
+        by_ranks = errors_by_world_size(rows, column)
+        detail = "".join(f"; {size} ranks {statistics.median(values):.1%} over {len(values)}"
+                         for size, values in by_ranks.items()) if len(by_ranks) > 1 else ""
+        print(f"median |error| {name}: {statistics.median(errors):.1%} over {len(errors)} rows" + detail)
+
+
+def errors_by_world_size(rows: list[tuple[str, str, float, float, float]], column: int) -> dict[int, list[float]]:
+    """|error| of the prediction in `column` (of `replay`'s rows), grouped by the setting's number of ranks."""
+    groups: dict[int, list[float]] = {}
+    for row in rows:
+        match = RANKS_IN_TITLE.search(row[0])
+        if match:
+            groups.setdefault(int(match[1]), []).append(abs(row[column] - row[2]) / row[2])
+    return dict(sorted(groups.items()))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,20 @@ def test_the_simulator_error_is_reported_beside_the_measurements_own_repeatabili
     assert "median |error| over 2 gradsync rows: 5.0%" in line and "differ by 33.3%" in line
 
 
+def test_the_simulator_error_is_also_given_per_number_of_ranks():
+    def results(*errors: float) -> dict[str, RowResult]:
+        return {f"gradsync row {i}": RowResult(f"gradsync row {i}", 1.0, (1.0,) * 4, None, 1.0 + error, None)
+                for i, error in enumerate(errors)}
+
+    summaries = {Setting("cnn", 2, "1gbit"): results(0.01, -0.03, 0.02), Setting("cnn", 4, "1gbit"): results(0.10, -0.06),
+                 Setting("transformer", 4, "1gbit"): results(-0.08)}
+    [line] = [line for line in targets(summaries) if "simulator" in line]
+    assert "over 6 gradsync rows: 4.5%" in line
+    assert line.endswith("; by ranks: 2 ranks 2.0% over 3 rows, 4 ranks 8.0% over 3 rows")
+    [line] = [line for line in targets({Setting("cnn", 2, "1gbit"): results(0.01)}) if "simulator" in line]
+    assert "by ranks" not in line
+
+
 def test_stolen_cpu_time_is_read_from_the_steal_column(tmp_path, monkeypatch):
     stat = tmp_path / "stat"
     stat.write_text("cpu  7202930 471 1411317 4285856 45943 0 189073 28632 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")

@@ -44,6 +44,18 @@ def test_replay_lists_every_row_and_prints_both_errors(tmp_path, capsys):
     assert "median |error| stored: 25.0% over 1 rows" in output and "median |error| now: 50.0% over 1 rows" in output
 
 
+def test_replay_gives_the_median_error_per_number_of_ranks(tmp_path, capsys):
+    record, seconds = stored_row(None, CostModel(a=1e-3, b=8e-9))
+    stored = {f"CNN (small tensors), {ranks} ranks, 1gbit": {
+        f"gradsync {name}": {"seconds": seconds / (1 + error), "predicted": seconds, "replay": record}
+        for name, error in errors.items()} for ranks, errors in ((2, {"wfbp": 0.02, "mg_wfbp": -0.04}), (4, {"wfbp": 0.10}))}
+    path = tmp_path / "head_to_head.json"
+    path.write_text(json.dumps(stored))
+    main([str(path)])
+    output = capsys.readouterr().out
+    assert "median |error| stored: 4.0% over 3 rows; 2 ranks 3.0% over 2; 4 ranks 10.0% over 1" in output
+
+
 def test_a_record_without_rows_is_refused(tmp_path):
     path = tmp_path / "empty.json"
     path.write_text("{}")
