@@ -13,7 +13,7 @@ from helpers import MS, toy_profile
 from gradsync import ConfigError, CostModel, simulate
 from gradsync.plan import BACKWARD, FORWARD, Plan, Slice
 from gradsync.planners import bytescheduler, get, us_byte
-from gradsync.planners.partition import gradient_groups
+from gradsync.planners.partition import DEFAULT_PARTITION_BYTES, gradient_groups
 from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
 
 B, F = BACKWARD, FORWARD
@@ -128,7 +128,7 @@ def test_us_byte_algorithm_1_with_sequential_priorities():
     # layer 2 (2) 12–15. Forward: 9–10, 12–13, 15–16.
     profile, cost = toy_profile(MERGE_PROFILE), hand_cost()
     groups = gradient_groups(profile, 4)
-    schedule = us_byte.phase_one(groups, [0, 1, 2], cost)
+    schedule = us_byte.phase_one(groups, [0, 1, 2], cost, profile)
     assert [(op.group, op.first_block, op.blocks) for op in schedule.ops] == [(2, 0, 2), (1, 0, 1)]
     assert [op.start for op in schedule.ops] == in_ms([1, 4])
     assert schedule.remaining == [2, 2, 2]
@@ -196,7 +196,7 @@ def test_us_byte_closed_form_equals_the_simulator_for_any_priorities():
     for profile, cost, partition_bytes in random_cases(seed=5, count=150):
         groups = gradient_groups(profile, partition_bytes)
         priorities = rng.sample(range(len(groups)), len(groups))
-        schedule = us_byte.phase_one(groups, priorities, cost)
+        schedule = us_byte.phase_one(groups, priorities, cost, profile)
         predicted = us_byte.iteration_time(schedule, groups, profile, cost)
         candidate = us_byte.Candidate(groups, priorities, schedule, predicted)
         plan = Plan(tuple(us_byte.candidate_ops(candidate))).validate(profile)
@@ -213,7 +213,7 @@ def test_us_byte_is_never_slower_than_bytescheduler_wfbp_or_its_own_start():
         assert {op.channel for op in plan.ops} == {0}
         ours = simulate(plan, profile, cost).iteration_time
         groups = gradient_groups(profile, partition_bytes)
-        start = us_byte.phase_one(groups, list(range(len(groups))), cost)
+        start = us_byte.phase_one(groups, list(range(len(groups))), cost, profile)
         others = {
             "sequential start": us_byte.iteration_time(start, groups, profile, cost),
             "wfbp": simulate(get("wfbp")(profile, cost), profile, cost).iteration_time,
@@ -223,6 +223,63 @@ def test_us_byte_is_never_slower_than_bytescheduler_wfbp_or_its_own_start():
         }
         for name, theirs in others.items():
             assert ours <= theirs * (1 + 1e-9), name
+
+
+def test_us_byte_overlaps_the_backward_of_an_input_layer_without_parameters():
+    # Layer 0 ("input") has no parameters and 4 ms of backward; layer 1 ("fc", 1M fp32 = 4 MB,
+    # one block of the default S_p) is ready at 0. a = 1 ms, b = 1 ns/byte: its op lasts 5 ms.
+    # WFBP: fc 0–5 during backward (0–4), forward 5–6 (input), 6–8 (fc): t = 8. Phase one runs
+    # to the end of backward at 4 (eq. 9), so US-Byte sends fc in it too, 0–5, and also ends at 8;
+    # sent in phase two from 4 it would end at 9 and t would be 11.
+    profile = ModelProfile("input_without_parameters", (
+        LayerProfile("input", (), 1 * MS, 4 * MS),
+        LayerProfile("fc", (TensorSpec("fc.weight", 1_000_000),), 2 * MS, 0.0),
+    ))
+    cost = CostModel(1 * MS, 1e-9)
+    wfbp = simulate(get("wfbp")(profile, cost), profile, cost).iteration_time
+    assert wfbp == pytest.approx(8 * MS)
+    plan = get("us_byte")(profile, cost).validate(profile)
+    assert slices_of(plan) == [[("fc.weight", 0, 1_000_000)]]
+    assert [op.phase for op in plan.ops] == [B]
+    timeline = simulate(plan, profile, cost)
+    assert [span.start for span in timeline.ops] == in_ms([0])
+    assert timeline.iteration_time == pytest.approx(8 * MS)
+    assert timeline.iteration_time <= wfbp * (1 + 1e-9)
+    for groups in (gradient_groups(profile, DEFAULT_PARTITION_BYTES), gradient_groups(profile, profile.total_bytes)):
+        schedule = us_byte.phase_one(groups, [0], cost, profile)
+        assert [(op.group, op.first_block, op.blocks, op.start) for op in schedule.ops] == [(0, 0, 1, 0.0)]
+        assert (schedule.remaining, schedule.end) == ([0], pytest.approx(5 * MS))
+
+
+def random_profile_with_parameterless_layers(rng, layers):
+    """Like random_profile, but layers (the input layer more often) may have no parameters; those
+    (activations, pooling) get a tenth of the forward time, so it rarely hides a late phase two."""
+    profile = random_profile(rng, layers)
+    bare = [rng.random() < (0.5 if i == 0 else 0.3) for i in range(layers)]
+    bare[rng.randrange(layers)] = False  # a profile needs one gradient tensor
+    return ModelProfile("random_bare", tuple(
+        LayerProfile(layer.name, (), layer.forward_time / 10, layer.backward_time) if empty else layer
+        for layer, empty in zip(profile.layers, bare)
+    ))
+
+
+def test_us_byte_is_never_slower_than_wfbp_with_parameterless_layers():
+    rng = random.Random(17)
+    bare_input = 0
+    for _ in range(40):
+        profile = random_profile_with_parameterless_layers(rng, rng.randint(2, 6))
+        cost = CostModel(rng.uniform(0.1, 2), rng.uniform(0.01, 0.2))
+        partition_bytes = rng.choice([4, 8, 16, 40])
+        plan = get("us_byte")(profile, cost, partition_bytes=partition_bytes).validate(profile)
+        ours = simulate(plan, profile, cost).iteration_time
+        wfbp = simulate(get("wfbp")(profile, cost), profile, cost).iteration_time
+        assert ours <= wfbp * (1 + 1e-9)
+        candidate = us_byte.wfbp_equivalent(profile, cost)  # its promise, and the closed form = the simulator
+        assert candidate.time <= wfbp * (1 + 1e-9)
+        assert simulate(Plan(tuple(us_byte.candidate_ops(candidate))), profile, cost).iteration_time == \
+            pytest.approx(candidate.time, rel=1e-9)
+        bare_input += not profile.layers[0].tensors
+    assert bare_input >= 10  # enough cases of the defect's shape
 
 
 def test_theorem_1_sequential_phase_two_beats_every_permutation():

@@ -2,7 +2,8 @@
 
 Each layer's gradient (each gradient group, see partition.py) is cut into basic blocks of S_p
 bytes; an op merges several neighbouring blocks of one layer, the two-tuple <O_num, O_lay>.
-- Phase one, overlapping backward: Algorithm 1 turns the priorities P1 into ops (eqs. 3–8).
+- Phase one, overlapping backward: Algorithm 1 turns the priorities P1 into ops (eqs. 3–8), until
+  layer 1's backward ends, the backward of layers without parameters included (eqs. 2, 9).
 - Phase two, overlapping the next forward: the blocks left of each layer form one op, layers in
   order 1..L (Theorem 1: P2^(l) = l), launched after backward (eqs. 9–10).
 - The objective is the iteration time of eqs. 9–12 in closed form. For these one-channel plans it
@@ -92,12 +93,14 @@ def wfbp_equivalent(profile: ModelProfile, cost: CostModel) -> Candidate:
 
     Algorithm 1's cases can split a layer into an op more, whose start-up ``a`` may cost more than
     the overlap gains, so the greedy alone can end slower than WFBP. At this point of the search
-    space phase one sends what WFBP sends during backward, in the same order and no later, and
-    phase two sends the rest in Theorem 1's order, so its t_iter is at most WFBP's.
+    space phase one, which runs until the whole backward pass ends (eq. 9's τ_b^(1) + t_b^(1), also
+    when the input-side layers have no parameters), sends what WFBP starts during backward, in the
+    same order and no later (eq. 3), and phase two sends the rest in Theorem 1's order from where
+    WFBP would send it (eqs. 9–11), so its t_iter is at most WFBP's.
     """
     groups = gradient_groups(profile, profile.total_bytes)
     priorities = list(range(len(groups) - 1, -1, -1))
-    schedule = phase_one(groups, priorities, cost)
+    schedule = phase_one(groups, priorities, cost, profile)
     return Candidate(groups, priorities, schedule, iteration_time(schedule, groups, profile, cost))
 
 
@@ -129,20 +132,28 @@ def blocks_to_send(gap: float, carried: int, available: int, group: GradientGrou
     return min(total, max(carried + 1, wanted))
 
 
-def phase_one(groups: list[GradientGroup], priorities: list[int], cost: CostModel) -> Schedule:
+def phase_one(groups: list[GradientGroup], priorities: list[int], cost: CostModel,
+              profile: ModelProfile) -> Schedule:
     """Algorithm 1: the phase-one ops for priorities P1 (lower is more urgent).
 
-    Groups are visited output → input (line 7); while the current group's backward runs, ops send
-    the most urgent blocks already computed (lines 8–9, a heap in place of CALCULATE_O_lay's scan);
-    the channel idles when none are left (lines 10–12); the group's blocks join at its end (line 27).
+    Every layer of `profile` is visited output → input (line 7), parameter-less ones included: while
+    its backward runs, until τ_b^(l) + t_b^(l) (eq. 2), ops send the most urgent blocks already
+    computed (lines 8–9, a heap in place of CALCULATE_O_lay's scan); the channel idles when none are
+    left (lines 10–12); the layer's groups join at its end (line 27; a layer without parameters adds
+    none). Phase one thus lasts until layer 1's backward ends (the split of eq. 9), also when layer 1
+    has no gradients: the backward of parameter-less layers on the input side still hides ops.
     """
+    ends = profile.backward_ready_times()  # τ_b^(l) + t_b^(l), eq. 2
+    joining: dict[int, list[int]] = {}  # layer -> its groups
+    for index, group in enumerate(groups):
+        joining.setdefault(group.layer, []).append(index)
     remaining = [0] * len(groups)
     urgent: list[tuple[int, int]] = []  # heap of (P1, group) over groups with blocks left
     ops: list[PhaseOneOp] = []
     first_start: dict[int, float] = {}
-    next_start = groups[-1].ready  # line 6
-    for index in range(len(groups) - 1, -1, -1):
-        ready = groups[index].ready
+    next_start = ends[-1]  # line 6
+    for layer in range(len(ends) - 1, -1, -1):  # line 7
+        ready = ends[layer]
         while ready - next_start > 0:  # line 8
             if not urgent:  # lines 10–12
                 next_start = ready
@@ -159,8 +170,9 @@ def phase_one(groups: list[GradientGroup], priorities: list[int], cost: CostMode
             if not remaining[chosen]:
                 heapq.heappop(urgent)
             next_start = op.start + op_seconds(group, total, not remaining[chosen], cost)  # lines 23–24
-        remaining[index] = groups[index].num_blocks  # line 27
-        heapq.heappush(urgent, (priorities[index], index))
+        for index in joining.get(layer, ()):  # line 27
+            remaining[index] = groups[index].num_blocks
+            heapq.heappush(urgent, (priorities[index], index))
     return Schedule(ops, remaining, next_start, first_start)
 
 
@@ -189,7 +201,7 @@ def greedy_priorities(groups: list[GradientGroup], profile: ModelProfile, cost: 
     """Algorithm 2: from sequential P1, for l = L..2 raise layer l's priority to the layer k of
     eq. 13 and keep the change when t_iter (eqs. 9–12) drops."""
     priorities = list(range(len(groups)))  # lines 1–2
-    schedule = phase_one(groups, priorities, cost)
+    schedule = phase_one(groups, priorities, cost, profile)
     best = iteration_time(schedule, groups, profile, cost)  # line 3
     ascending_ready = [group.ready for group in reversed(groups)]
     layer = len(groups) - 1
@@ -199,7 +211,7 @@ def greedy_priorities(groups: list[GradientGroup], profile: ModelProfile, cost: 
             target = len(groups) - bisect_left(ascending_ready, finish)  # lines 16–21, eq. 13
             if target < layer:
                 trial = raise_priority(priorities, layer, target)
-                trial_schedule = phase_one(groups, trial, cost)
+                trial_schedule = phase_one(groups, trial, cost, profile)
                 trial_time = iteration_time(trial_schedule, groups, profile, cost)  # line 22
                 if trial_time < best:  # lines 23–24
                     best, priorities, schedule, layer = trial_time, trial, trial_schedule, target
