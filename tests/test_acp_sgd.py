@@ -12,6 +12,7 @@ from torch import nn
 import gradsync
 from gradsync import ConfigError, CostModel, compress
 from gradsync.compress.acp_sgd import ACPSGD
+from gradsync.compress.orthogonalize import orthogonalize
 from gradsync.launch import run_local
 from gradsync.profile import TensorSpec
 from gradsync.runtime import attached
@@ -97,15 +98,32 @@ def test_rank_above_min_dimension_is_clipped_with_one_warning():
         codec.setup(specs, 1, seed=0)
     assert len(caught) == 1 and "3 tensor(s)" in str(caught[0].message)
     assert all(shape == (8, 4, 4) for shape in codec.shapes.values())
+    with warnings.catch_warnings(record=True) as caught:  # a small matrix travels whole: nothing clipped
+        warnings.simplefilter("always")
+        ACPSGD(rank=16).setup({"small": TensorSpec("small", 3 * 100, 4, (3, 100))}, 1, seed=0)
+    assert caught == []
 
 
 @pytest.mark.parametrize("options, field", [({"rank": 0}, "rank"), ({"rank": 2.5}, "rank"),
                                             ({"min_compression_rate": -1}, "min_compression_rate"),
                                             ({"start_iter": -2}, "start_iter"), ({"reuse": "yes"}, "reuse"),
-                                            ({"ranks": 4}, "ranks")])
+                                            ({"ranks": 4}, "ranks"), ({"seed": -1}, "seed"), ({"seed": 2**63}, "seed"),
+                                            ({"seed": True}, "seed")])
 def test_bad_options_name_the_field(options, field):
     with pytest.raises(ConfigError, match=field):
         compress.get("acp_sgd", **options)
+
+
+def test_the_largest_seed_draws_fresh_queries_at_any_step():
+    codec = ACPSGD(rank=2, reuse=False, seed=2**63 - 1)
+    codec.setup({"w": TensorSpec("w", 12 * 10, 4, (12, 10))}, 1, seed=0)
+    for step in (0, 10**9):
+        assert codec.encode("w", torch.ones(12, 10), step).shape == (24,)
+
+
+def test_non_floating_gradients_are_refused_in_setup():
+    with pytest.raises(ConfigError, match="floating point"):
+        ACPSGD().setup({"w": TensorSpec("w", 12 * 10, 1, (12, 10))}, 1, seed=0)
 
 
 def test_unknown_compressor_lists_the_valid_ones():
@@ -305,17 +323,78 @@ def non_finite_skipped(rank, world_size):
     loss.backward()
     optimizer.step()
     errors_finite = all(bool(torch.isfinite(e).all()) for e in codec.errors.values())
-    first_layer_error_kept = torch.equal(codec.errors["0.weight"], before["0.weight"]) if rank == 1 else True
+    # every error, on every rank, is the one before the skipped step: what it sent was never applied
+    errors_kept = codec.errors.keys() == before.keys() and all(torch.equal(codec.errors[k], before[k]) for k in before)
     unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), parameters))
     # the output layers' ops finish before the input layer's non-finite one: none may commit
     after = [t for k in sorted(codec.p_prev) for t in (codec.p_prev[k], codec.q_prev[k])]
     factors_kept = all(torch.equal(a, b) for a, b in zip(after, factors))
     attached(model).detach()
-    return errors_finite, first_layer_error_kept, unchanged and factors_kept
+    return errors_finite, errors_kept, unchanged and factors_kept
 
 
 def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_everywhere():
     assert run_local(non_finite_skipped, 2) == [(True, True, True)] * 2
+
+
+@pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
+def test_a_step_whose_gradient_is_never_applied_leaves_the_error_as_it_was(name):
+    """No rank used the tensor, or the step was skipped: the codec encoded but never finished, so
+    the next step starts from the error before it (nothing sent is lost from the feedback)."""
+    codec = compress.get(name, rank=2, min_compression_rate=0)
+    codec.setup({"w": TensorSpec("w", 12 * 10, 4, (12, 10))}, 1, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    parameter = nn.Parameter(torch.zeros(12, 10))
+    parameter.grad = torch.randn(12, 10, generator=generator)
+    for _ in codec.rounds(0):
+        wire = codec.encode("w", parameter.grad, 0)
+        codec.reduced_target("w", parameter, 0).copy_(wire)
+        codec.finish("w", parameter, 0)
+    before = codec.errors["w"].clone()
+    assert before.abs().sum() > 0
+    codec.encode("w", None, 1)  # this rank has no gradient, and no rank used the tensor: no finish
+    codec.encode("w", torch.randn(12, 10, generator=generator), 2)  # a skipped step: no finish either
+    parameter.grad = torch.randn(12, 10, generator=generator)
+    for _ in codec.rounds(3):
+        wire = codec.encode("w", parameter.grad, 3)
+        codec.reduced_target("w", parameter, 3).copy_(wire)
+        assert torch.equal(codec.errors["w"], before)  # until the step's finish
+        codec.finish("w", parameter, 3)
+    assert not torch.equal(codec.errors["w"], before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_orthogonalized_columns_are_orthonormal_even_from_a_rank_deficient_factor(rank, dtype):
+    generator = torch.Generator().manual_seed(1)
+    column = torch.randn(9, 1, generator=generator)
+    for factor in (torch.zeros(9, rank), column.repeat(1, rank), torch.cat([column, torch.zeros(9, rank - 1)], 1)):
+        basis = orthogonalize(factor.to(dtype)).float()
+        tolerance = 1e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+        assert torch.allclose(basis.T @ basis, torch.eye(rank), atol=tolerance)
+        assert torch.equal(orthogonalize(factor.to(dtype)), orthogonalize(factor.to(dtype)))  # the same on every rank
+        if factor.any():  # the factor's own direction comes first
+            assert torch.allclose(basis[:, 0].abs(), (column / column.norm()).abs().reshape(-1), atol=tolerance)
+
+
+@pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
+@pytest.mark.parametrize("rank", [2, 4])
+def test_one_all_zero_gradient_does_not_stop_compression(name, rank):
+    """A zero gradient (a zero-initialised layer's first step) averages to zero factors: the next
+    queries must still span something, or every later gradient would be compressed to zero."""
+    codec = compress.get(name, rank=rank, min_compression_rate=0)
+    codec.setup({"w": TensorSpec("w", 12 * 10, 4, (12, 10))}, 1, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    norms = []
+    for step in range(4):
+        parameter = nn.Parameter(torch.zeros(12, 10))
+        parameter.grad = torch.zeros(12, 10) if step == 0 else torch.randn(12, 10, generator=generator)
+        for _ in codec.rounds(step):
+            wire = codec.encode("w", parameter.grad, step)
+            codec.reduced_target("w", parameter, step).copy_(wire)
+            codec.finish("w", parameter, step)
+        norms.append(parameter.grad.norm().item())
+    assert norms[0] == 0 and min(norms[1:]) > 0.1, norms
 
 
 @pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
@@ -361,6 +440,8 @@ def test_row_blocked_compression_follows_algorithm_2(step, monkeypatch):
     error, gradient = codec.errors.get("w", torch.zeros(30, 20)).clone(), torch.randn(30, 20, generator=generator)
     wire = codec.encode("w", gradient, step)
     query, combined = codec.query["w"], gradient + error
+    codec.reduced_target("w", nn.Parameter(torch.zeros(30, 20)), step).copy_(wire)
+    codec.finish("w", nn.Parameter(torch.zeros(30, 20)), step)  # the step is applied: its error becomes current
     if step == 0:
         p, q = combined @ query, query
         expected_wire = p

@@ -18,12 +18,13 @@ import torch
 from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
-from .gradients import all_finite
+from .gradients import all_finite, refuse_non_float
 from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, fused_update_available,
                        keep_error, row_blocks, select_matrices, spare_buffer, subtract_low_rank, write_low_rank)
 from .orthogonalize import orthogonalize
 
 PLAIN, P_STEP, Q_STEP = "plain", "P", "Q"
+SEED_LIMIT = 2**63  # torch.Generator's seeds are 64-bit signed
 
 
 class ACPSGD(Codec):
@@ -37,8 +38,8 @@ class ACPSGD(Codec):
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
                  error_feedback: bool = True, reuse: bool = True, seed: int | None = None):
         check_options(self.name, rank, min_compression_rate, start_iter, error_feedback=error_feedback, reuse=reuse)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ConfigError(f"compressor 'acp_sgd': 'seed' must be an integer >= 0, got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
+            raise ConfigError(f"compressor 'acp_sgd': 'seed' must be an integer from 0 to 2**63 - 1, got {seed!r}")
         self.fixed_seed = seed
         self.rank = rank
         self.min_compression_rate = min_compression_rate
@@ -49,6 +50,7 @@ class ACPSGD(Codec):
 
     # -- setup and planning ------------------------------------------------------------------------
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
+        refuse_non_float(self.name, specs)
         super().setup(specs, world_size, seed)
         self.seed = seed = seed if self.fixed_seed is None else self.fixed_seed
         self.shapes = select_matrices(self.name, specs, self.rank, self.min_compression_rate)  # (n, m, r)
@@ -62,7 +64,10 @@ class ACPSGD(Codec):
         # subtraction (Algorithm 2, lines 6 and 11) is folded into the next step's pass over the rows
         self.sums: dict[str, torch.Tensor] = {}
         self.deferred: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.spares: dict[tuple, torch.Tensor] = {}  # one free error-sized buffer per shape
+        # the new (sums, factors) of this step's encode, made current by its finish: a step whose
+        # gradient is not applied leaves the error as it was (as the other codecs with feedback)
+        self.pending: dict[str, tuple[torch.Tensor, tuple | None]] = {}
+        self.spares: dict[tuple, list[torch.Tensor]] = {}  # free error-sized buffers per shape
         self.query: dict[str, torch.Tensor] = {}  # the orthonormal factor of the current step
         self.staging: dict[str, torch.Tensor] = {}
 
@@ -117,30 +122,52 @@ class ACPSGD(Codec):
         if not self.error_feedback:
             factor = matrix @ query if layout == P_STEP else (query.T @ matrix).T.contiguous()
             return factor.reshape(-1)
-        error = error_buffer(self.sums, name, matrix)
+        stored = error_buffer(self.sums, name, matrix)
+        self._drop_pending(name)
         deferred = self._deferred_on(name, matrix)
-        # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
-        if fused_update_available(error, r):  # two products, then the Triton kernel updates E in place
+        total = spare_buffer(self.spares, matrix)
+        if fused_update_available(stored, r):  # two products, then the Triton kernel writes the new E
             if deferred is not None:  # state from a CPU run: make the stored sum E itself first
-                error.addmm_(deferred[0], deferred[1].T, alpha=-1)
+                stored.addmm_(deferred[0], deferred[1].T, alpha=-1)
                 del self.deferred[name]
             if layout == P_STEP:
-                factor = left = torch.addmm(error @ query, matrix, query)
+                factor = left = torch.addmm(stored @ query, matrix, query)
                 right = query
             else:
-                factor = right = torch.addmm(query.T @ error, query.T, matrix).T.contiguous()
+                factor = right = torch.addmm(query.T @ stored, query.T, matrix).T.contiguous()
                 left = query
-            if all_finite(factor):
-                subtract_low_rank(matrix, error, left, right)
-            return factor.reshape(-1)
-        total = spare_buffer(self.spares, matrix)
-        compress = compress_p_with_error if layout == P_STEP else compress_q_with_error
-        factor = compress(matrix, error, deferred, query, total)
-        accepted = all_finite(factor)
-        keep_error(self.sums, self.spares, name, total, accepted)
-        if accepted:
-            self.deferred[name] = (factor, query) if layout == P_STEP else (query, factor)
+            subtract_low_rank(matrix, stored, left, right, out=total)
+            factors = None  # `total` is the new E itself
+        else:
+            compress = compress_p_with_error if layout == P_STEP else compress_q_with_error
+            factor = compress(matrix, stored, deferred, query, total)
+            factors = (factor, query) if layout == P_STEP else (query, factor)
+        # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
+        if all_finite(factor):
+            self.pending[name] = (total, factors)
+        else:
+            keep_error(self.sums, self.spares, name, total, accepted=False)
         return factor.reshape(-1)
+
+    def _drop_pending(self, name: str) -> None:
+        """Forget the new error of a step whose gradient was never applied (no rank used the
+        tensor, or the step was skipped): the error stays the one before that step."""
+        stale = self.pending.pop(name, None)
+        if stale is not None:
+            keep_error(self.sums, self.spares, name, stale[0], accepted=False)
+
+    def _commit_pending(self, name: str) -> None:
+        """The step's gradient is applied: its new error E ← M + E − P·Qᵀ (Algorithm 2, lines 6
+        and 11) becomes the current one."""
+        pending = self.pending.pop(name, None)
+        if pending is None:
+            return
+        total, factors = pending
+        keep_error(self.sums, self.spares, name, total, accepted=True)
+        if factors is None:
+            self.deferred.pop(name, None)
+        else:
+            self.deferred[name] = factors
 
     def _deferred_on(self, name: str, like: torch.Tensor):
         """The deferred factors of `name` on `like`'s device and dtype (moved once after a load)."""
@@ -153,7 +180,7 @@ class ACPSGD(Codec):
         """Orth(Q_prev) on P steps, Orth(P_prev) on Q steps; fresh Gaussian ones without reuse."""
         previous = self.q_prev[name] if layout == P_STEP else self.p_prev[name]
         if not self.reuse:
-            generator = torch.Generator().manual_seed(self.seed + 7919 * step + zlib.crc32(name.encode()))
+            generator = torch.Generator().manual_seed((self.seed + 7919 * step + zlib.crc32(name.encode())) % SEED_LIMIT)
             previous = torch.randn(previous.shape, generator=generator)
         return orthogonalize(previous.to(device=like.device, dtype=like.dtype))
 
@@ -185,6 +212,7 @@ class ACPSGD(Codec):
             self.p_prev[name], self.q_prev[name] = left.clone(), right.clone()
         gradient = super().reduced_target(name, parameter, step).view(n, m)
         write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
+        self._commit_pending(name)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
@@ -204,6 +232,7 @@ class ACPSGD(Codec):
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
         self.sums = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
         self.deferred = {k: (left.clone(), right.clone()) for k, (left, right) in (per_rank or {}).get("deferred", {}).items()}
+        self.pending = {}
 
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,

@@ -36,7 +36,7 @@ def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,
                     min_compression_rate: float) -> dict[str, tuple[int, int, int]]:
     """(n, m, r) of every tensor worth compressing: viewed as (shape[0], −1), compressed iff
     (n + m)·r·min_compression_rate < n·m (the torch PowerSGD hook's rule), r = min(rank, n, m)
-    with one warning for all the tensors clipped."""
+    with one warning for all the compressed tensors clipped."""
     shapes, clipped = {}, []
     for name in sorted(specs):
         matrix = specs[name].matrix_shape()
@@ -44,10 +44,10 @@ def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,
             continue
         n, m = matrix
         r = min(rank, n, m)
-        if r < rank:
-            clipped.append(name)
         if (n + m) * r * min_compression_rate < n * m:
             shapes[name] = (n, m, r)
+            if r < rank:
+                clipped.append(name)
     if clipped:
         warnings.warn(f"{codec}: rank {rank} exceeds min(n, m) of {len(clipped)} tensor(s) "
                       f"(e.g. {clipped[0]!r}); clipped to min(n, m) for those", stacklevel=3)
@@ -96,15 +96,17 @@ def fused_update_available(error: torch.Tensor, rank: int) -> bool:
     return error.is_cuda and error.dtype in FLOAT_DTYPES and rank <= MAX_RANK
 
 
-def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-    """E ← M + E − P·Qᵀ in place: the fused Triton kernel where available, which never
-    materialises P·Qᵀ; elsewhere two in-place torch operations per row block (BLAS accumulates
-    P·Qᵀ into the block of E while it is in cache)."""
+def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                      out: torch.Tensor | None = None) -> None:
+    """out ← M + E − P·Qᵀ (E itself by default): the fused Triton kernel where available, which
+    never materialises P·Qᵀ; elsewhere two torch operations per row block (BLAS accumulates P·Qᵀ
+    into the block while it is in cache)."""
+    out = error if out is None else out
     if fused_update_available(error, p.shape[1]):
-        error_feedback_update(matrix, error, p.contiguous(), q.contiguous())
+        error_feedback_update(matrix, error, p.contiguous(), q.contiguous(), out=out)
         return
     for rows in row_blocks(error):
-        error[rows].add_(matrix[rows]).addmm_(p[rows], q.T, alpha=-1)
+        torch.add(error[rows], matrix[rows], out=out[rows]).addmm_(p[rows], q.T, alpha=-1)
 
 
 def write_low_rank(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
@@ -113,20 +115,20 @@ def write_low_rank(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
         torch.mm(p[rows], q.T, out=out[rows])
 
 
-def spare_buffer(spares: dict[tuple, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """A free buffer of `like`'s shape, dtype and device, allocated on first use: the new error is
-    written there while the old one stays intact until the step is known to be finite."""
-    spare = spares.pop(_buffer_key(like), None)
-    return torch.empty_like(like) if spare is None else spare
+def spare_buffer(spares: dict[tuple, list[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """A free buffer of `like`'s shape, dtype and device (a new one when none is free): the new
+    error is written there while the old one stays intact until the step is known to be applied."""
+    free = spares.get(_buffer_key(like))
+    return free.pop() if free else torch.empty_like(like)
 
 
-def keep_error(errors: dict[str, torch.Tensor], spares: dict[tuple, torch.Tensor], name: str,
+def keep_error(errors: dict[str, torch.Tensor], spares: dict[tuple, list[torch.Tensor]], name: str,
                new_error: torch.Tensor, accepted: bool) -> None:
     """Make `new_error` (a spare_buffer) the error of `name` and spare the old one; or, when the
     step was not `accepted`, keep the old error and spare `new_error`."""
     if accepted:
         new_error, errors[name] = errors[name], new_error
-    spares[_buffer_key(new_error)] = new_error
+    spares.setdefault(_buffer_key(new_error), []).append(new_error)
 
 
 def _buffer_key(tensor: torch.Tensor) -> tuple:
