@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import torch
 
+DEPENDENT = 1e-5  # relative norm left after projection below which a column counts as dependent (fp32)
+
 
 def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """A column-major matrix with orthonormal columns spanning those of `matrix` (n × r, r ≤ n).
 
-    Reduced QR in fp32 for rank > 2 in fp32/fp64; Gram–Schmidt for rank ≤ 2 and for fp16/bf16,
-    where QR is unavailable or costlier than r² column operations. A zero column stays zero
-    instead of dividing by zero.
+    Reduced QR for rank > 2 in fp32/fp64 (in that dtype); Gram–Schmidt for rank ≤ 2 and for
+    fp16/bf16, where QR is unavailable or costlier than r² column operations. Columns are always
+    orthonormal, also where `matrix` is rank-deficient (an all-zero gradient's factor): a zero
+    query would make every later factor zero.
     """
     rank = matrix.shape[1]
     if rank > 2 and matrix.dtype in (torch.float32, torch.float64):
@@ -27,18 +30,31 @@ def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def gram_schmidt(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Classical Gram–Schmidt on the columns, accumulated in fp32."""
+    """Gram–Schmidt on the columns, accumulated in fp32, each projection done twice (one leaves
+    roundoff of the earlier columns where a column nearly lies in their span). A column that
+    vanishes (norm ≤ eps + DEPENDENT·its norm before) is replaced by a fixed pseudo-random one,
+    the same on every rank, projected likewise."""
     columns = column_major(matrix.new_empty(matrix.shape, dtype=torch.float32)).copy_(matrix)
     for i in range(columns.shape[1]):
         column = columns[:, i]
-        if i:
-            previous = columns[:, :i]
-            column -= previous @ (previous.T @ column)
-        norm = column.norm()
-        column /= norm if norm > eps else 1.0
-        if norm <= eps:
-            column.zero_()
+        before = column.norm()
+        norm = _project_out_earlier(columns, i)
+        if norm <= eps + DEPENDENT * before:
+            generator = torch.Generator().manual_seed(i)
+            column.copy_(torch.randn(column.shape[0], generator=generator))
+            norm = _project_out_earlier(columns, i)
+        column /= norm
     return columns.to(matrix.dtype)
+
+
+def _project_out_earlier(columns: torch.Tensor, i: int) -> torch.Tensor:
+    """Column i less its projection on columns 0 … i − 1 (orthonormal), twice, in place; its norm."""
+    column = columns[:, i]
+    if i:
+        previous = columns[:, :i]
+        for _ in range(2):
+            column -= previous @ (previous.T @ column)
+    return column.norm()
 
 
 def column_major(matrix: torch.Tensor) -> torch.Tensor:
