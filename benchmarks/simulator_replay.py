@@ -35,7 +35,8 @@ def replay_record(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ..
     profile, the rounds of the codec's steady cycle (a timed block covers whole cycles) and the
     cost model; with each rank's measured profile, which the wire profiles were combined from; with
     the compute scale of each timed block's iterations (`IterationStats.compute_scale`)."""
-    return {"layouts": {layout: {"plan": entry.plan.to_dict(), "wire": entry.wire.to_dict()}
+    return {"layouts": {layout: {"plan": entry.plan.to_dict(), "wire": entry.wire.to_dict(),
+                                 "codec_seconds": list(entry.codec_seconds)}
                         for layout, entry in layout_plans.items()},
             "cycle": [list(rounds) for rounds in cycle], "cost": cost.to_dict(),
             "rank_profiles": [profile.to_dict() for profile in rank_profiles],
@@ -51,7 +52,8 @@ def replayed_prediction(record: dict) -> float:
     ranks = [ModelProfile.from_dict(data) for data in record.get("rank_profiles", [])]
     combined = slowest_times(ranks) if ranks else None
     layout_plans = {layout: LayoutPlan(Plan.from_dict(entry["plan"]),
-                                       timed_as(ModelProfile.from_dict(entry["wire"]), combined))
+                                       timed_as(ModelProfile.from_dict(entry["wire"]), combined),
+                                       tuple(entry.get("codec_seconds", (0.0, 0.0))))  # measured: 0
                     for layout, entry in record["layouts"].items()}
     cycle = [tuple(rounds) for rounds in record["cycle"]]
     blocks = record.get("compute_scales") or [[1.0]]

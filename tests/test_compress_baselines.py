@@ -6,6 +6,7 @@ import copy
 import math
 import random
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,11 +16,12 @@ from torch import nn
 
 import gradsync
 from gradsync import ConfigError, compress
+from gradsync.compress.planning import plan_layouts, step_prediction
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.compress.signsgd import SignSGD
 from gradsync.compress.topk import TopK, index_words, indices_from_words
 from gradsync.launch import run_local
-from gradsync.profile import TensorSpec
+from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
 from gradsync.runtime import attached
 from runtime_models import COST, TiedNet, batch, synthetic_profile
 
@@ -118,6 +120,26 @@ def test_powersgd_round_q_sends_nan_when_round_p_was_not_applied():
     for name in gradients:
         codec.encode(name, None, 1)
         assert codec.encode(name, None, 1) is None  # no gradient on this rank: nothing to flag
+
+
+def test_powersgd_prediction_counts_the_work_between_its_rounds():
+    """Round P is decoded (Orth(P̄)) and round Q encoded ((M + E)ᵀ·P̂) on the computing thread
+    between the two rounds' all-reduces: with modelled codec times the predicted step grows by
+    exactly those two, and the thread's busy time with it."""
+    spec = TensorSpec("fc.weight", 256 * 128, 4, (256, 128))
+    profile = ModelProfile("fc", (LayerProfile("fc", (spec,), 1e-3, 2e-3, 0.0),))
+    codec = PowerSGD(rank=4)
+    codec.setup({spec.name: spec}, 2, seed=0)
+    flops = 1e9
+    plans = plan_layouts(profile, COST, "wfbp", codec, {}, flops)
+    assert plans["Q"].codec_seconds == codec.compute_seconds(spec, "Q", flops)
+    between = codec.compute_seconds(spec, "P", flops)[1] + codec.compute_seconds(spec, "Q", flops)[0]
+    assert between == pytest.approx((2 * 256 * 4 * 4 + 2 * 2 * 256 * 128 * 4) / flops)
+    without = {layout: replace(entry, codec_seconds=(0.0, 0.0)) for layout, entry in plans.items()}
+    counted, uncounted = step_prediction(plans, ("P", "Q"), COST), step_prediction(without, ("P", "Q"), COST)
+    assert counted.time - uncounted.time == pytest.approx(between)
+    assert counted.busy - uncounted.busy == pytest.approx(between)
+    assert step_prediction(plans, ("P",), COST) == step_prediction(without, ("P",), COST)  # one round: in the layers
 
 
 def test_powersgd_fresh_queries_change_every_step_and_agree_across_replicas():

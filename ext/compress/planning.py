@@ -10,13 +10,16 @@ from ..plan import Plan
 from ..profile import LayerProfile, ModelProfile
 from ..simulate import simulate
 from .codec import Codec
-from .wire import wire_profile
+from .wire import codec_seconds, wire_profile
 
 
 @dataclass(frozen=True)
 class LayoutPlan:
     plan: Plan
     wire: ModelProfile  # the profile the plan was made on
+    # the codec's modelled encode and decode of the whole layout (from FLOP/s; 0 for a measured
+    # profile, whose serial codec work is in its update time): what a later round adds serially
+    codec_seconds: tuple[float, float] = (0.0, 0.0)
 
 
 def plan_layouts(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,
@@ -29,7 +32,9 @@ def plan_layouts(profile: ModelProfile, cost: CostModel, scheduler: str, codec: 
         scaled = scale_byte_options(planner, options, wire.total_bytes / profile.total_bytes)
         plan = planner(wire, cost, **scaled).validate(wire)
         labelled = tuple(replace(op, codec=codec.name) for op in plan.ops)
-        result[layout] = LayoutPlan(Plan(labelled, plan.planner, plan.options), wire)
+        tensors = [spec for layer in profile.layers for spec in layer.tensors]
+        result[layout] = LayoutPlan(Plan(labelled, plan.planner, plan.options), wire,
+                                    codec_seconds(tensors, codec, layout, flops_per_second))
     return result
 
 
@@ -50,7 +55,9 @@ def scale_byte_options(planner, options: dict, rate: float) -> dict:
 def at_compute_scale(layout_plans: dict[str, LayoutPlan], scale: float) -> dict[str, LayoutPlan]:
     """The same plans, with their wire profiles' times multiplied by `scale` (a computation
     `scale` times slower than when profiled: gradsync.runtime.compute_speed)."""
-    return {layout: replace(entry, wire=entry.wire.scaled(scale)) for layout, entry in layout_plans.items()}
+    return {layout: replace(entry, wire=entry.wire.scaled(scale),
+                            codec_seconds=tuple(seconds * scale for seconds in entry.codec_seconds))
+            for layout, entry in layout_plans.items()}
 
 
 @dataclass(frozen=True)
@@ -63,21 +70,24 @@ class StepPrediction:
 
 def step_prediction(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> StepPrediction:
     """Predicted time of a step sending `rounds`. One round: the simulator's. A later round starts
-    once the one before is reduced, so its all-reduces follow the first round's end, before the next
+    once the one before is reduced and decoded, and its own encoding is done (the computing thread's
+    serial work, `codec_seconds`), so its all-reduces follow the first round's end, before the next
     forward (timed by simulating its plan with all gradients ready at once); the thread then waits."""
     first = layout_plans[rounds[0]]
     timeline = simulate(first.plan, first.wire, cost)
     if len(rounds) == 1:
         return StepPrediction(timeline.iteration_time, timeline.busy_time)
-    clock = max(timeline.backward_end, timeline.comm_end)
-    for layout in rounds[1:]:
+    clock, serial = max(timeline.backward_end, timeline.comm_end), 0.0
+    for previous, layout in zip(rounds, rounds[1:]):
         later = layout_plans[layout]
+        work = layout_plans[previous].codec_seconds[1] + later.codec_seconds[0]
         at_once = ModelProfile(later.wire.name, tuple(LayerProfile(l.name, l.tensors, 0.0, 0.0)
                                                       for l in later.wire.layers))
-        clock += simulate(later.plan, at_once, cost).comm_end
+        clock += work + simulate(later.plan, at_once, cost).comm_end
+        serial += work
     last = layout_plans[rounds[-1]].wire
-    tail = last.update_time + last.forward_time
-    return StepPrediction(clock + tail, timeline.backward_busy + tail)
+    tail = last.update_time + last.forward_time  # the last round's decoding is in its forward time
+    return StepPrediction(clock + tail, timeline.backward_busy + serial + tail)
 
 
 def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> float:

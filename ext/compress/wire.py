@@ -1,7 +1,9 @@
 """The wire profile: a model profile as a codec sends it, for planning and simulation."""
 from __future__ import annotations
 
-from ..profile import LayerProfile, ModelProfile
+from typing import Iterable
+
+from ..profile import LayerProfile, ModelProfile, TensorSpec
 from .codec import Codec
 
 
@@ -12,11 +14,7 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
     layer's update)."""
     layers = []
     for layer in profile.layers:
-        encode = decode = 0.0
-        if flops_per_second:
-            for spec in layer.tensors:
-                more_encode, more_decode = codec.compute_seconds(spec, layout, flops_per_second)
-                encode, decode = encode + more_encode, decode + more_decode
+        encode, decode = codec_seconds(layer.tensors, codec, layout, flops_per_second)
         layers.append(LayerProfile(
             layer.name,
             tuple(codec.wire_spec(spec, layout) for spec in layer.tensors),
@@ -27,3 +25,14 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
     name = profile.name if codec.name == "identity" else f"{profile.name} ({codec.name}, {layout})"
     return ModelProfile(name, tuple(layers),
                         {**profile.metadata, "codec": codec.name, "layout": layout})
+
+
+def codec_seconds(tensors: Iterable[TensorSpec], codec: Codec, layout: str,
+                  flops_per_second: float | None) -> tuple[float, float]:
+    """The codec's modelled encode and decode time of `tensors` under `layout` (0 without FLOP/s)."""
+    encode = decode = 0.0
+    if flops_per_second:
+        for spec in tensors:
+            more_encode, more_decode = codec.compute_seconds(spec, layout, flops_per_second)
+            encode, decode = encode + more_encode, decode + more_decode
+    return encode, decode
