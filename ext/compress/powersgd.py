@@ -6,7 +6,8 @@ P = (M + E)·Orth(Q_prev) and, once every rank's P is averaged, P̂ = Orth(P̄);
 Q = (M + E)ᵀ·P̂, and once Q is averaged the gradient is P̂·Q̄ᵀ and E ← M + E − P̂·Q̄ᵀ: the error is
 taken against the aggregated approximation, as torch's PowerSGD hook does. Q_prev is last step's Q̄
 (warm start) or a fresh Gaussian from the seed shared by every rank; like the torch hook, it is
-orthogonalised before use. Orth is QR in fp32 for rank > 2, Gram–Schmidt otherwise.
+orthogonalised before use. Orth is QR for rank > 2 in fp32/fp64, Gram–Schmidt otherwise
+(gradsync.compress.orthogonalize).
 
 Vectors and small matrices travel uncompressed: whole, averaged, in round "P"; round "Q" must cover
 them too (every plan covers every tensor once), so there they are one element, 0 when their round P
