@@ -94,7 +94,7 @@ def build_strategy(job: dict):
     entry = StrategyRegistry[strategy["name"]]
     chosen = {key: strategy[key] for key in ("scheduler", "compressor") if strategy[key] is not None}
     return entry["strategy"](**{**entry["init_params"], **chosen, **strategy["options"],
-                                "process_group_backend": backend})
+                                "process_group_backend": backend})  # schema.check refuses it in options
 
 
 def _runtime_of(trainer):

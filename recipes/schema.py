@@ -23,6 +23,7 @@ from ..topology.allreduce import check_group_size
 from . import data, models
 
 ACCELERATORS = ("cpu", "gpu")
+BACKENDS = {"cpu": ("gloo",), "gpu": ("gloo", "nccl")}  # the process-group backends of each accelerator
 LOGGERS = ("wandb", "csv", "none")
 OBJECTIVES = ("final_accuracy", "throughput", "iteration_ms")  # what a job returns to a sweeper
 MODEL_INPUTS = {"cnn": "images", "mlp": "images", "transformer": "tokens"}  # what each model reads
@@ -41,7 +42,9 @@ class StrategyConfig:
 
     name: str = MISSING
     scheduler: Optional[str] = None  # a gradsync planner name
-    compressor: Optional[Dict[str, Any]] = None  # {"type": name, **codec options}
+    # {"type": name, **codec options}; typed Any (checked in `check`) because OmegaConf cannot merge
+    # `strategy.compressor.type=...` or `+strategy.compressor={...}` into an Optional[Dict] that is None
+    compressor: Optional[Any] = None
     options: Dict[str, Any] = field(default_factory=dict)  # planner options (partition_bytes, channels, ...)
 
 
@@ -157,15 +160,10 @@ def _check_strategy(strategy: DictConfig, ranks: int) -> None:
     if strategy.scheduler is not None:
         _choice("strategy.scheduler", strategy.scheduler, planners.names())
     if strategy.compressor is not None:
-        codec = OmegaConf.to_container(strategy.compressor)
-        if "type" not in codec:
-            raise ConfigError(f"strategy.compressor needs a 'type' key; valid: {', '.join(compress.names())}")
-        name = codec.pop("type")
-        _choice("strategy.compressor.type", name, compress.names())
-        try:
-            compress.get(name, **codec)
-        except ConfigError as exc:
-            raise ConfigError(f"strategy.compressor: {exc}") from exc
+        _check_compressor(strategy.compressor)
+    if "process_group_backend" in strategy.options:  # the recipe sets it from cluster.backend
+        raise ConfigError("strategy.options.process_group_backend: the ranks' backend is chosen by cluster.backend "
+                          f"(valid: {', '.join(BACKENDS['gpu'])}); set cluster.backend instead")
     merged = {**StrategyRegistry[strategy.name]["init_params"], **strategy.options}
     if merged.get("transport") == "forest":
         if ranks < 2:
@@ -177,6 +175,25 @@ def _check_strategy(strategy: DictConfig, ranks: int) -> None:
                 check_group_size(topology, ranks)
             except ConfigError as exc:
                 raise ConfigError(f"trainer.devices: {exc}") from exc
+
+
+def _check_compressor(compressor) -> None:
+    """``strategy.compressor``: a mapping ``{type: name, **codec options}`` that builds its codec."""
+    if not OmegaConf.is_dict(compressor):
+        raise ConfigError(f"strategy.compressor must be a mapping {{type: name, ...codec options}}, got "
+                          f"{compressor!r}; valid types: {', '.join(compress.names())}")
+    codec = OmegaConf.to_container(compressor)
+    if "type" not in codec:
+        raise ConfigError(f"strategy.compressor needs a 'type' key; valid: {', '.join(compress.names())}")
+    name = codec.pop("type")
+    _choice("strategy.compressor.type", name, compress.names())
+    bad = [key for key in codec if not isinstance(key, str)]
+    if bad:
+        raise ConfigError(f"strategy.compressor: option names must be strings, got {bad[0]!r}")
+    try:
+        compress.get(name, **codec)
+    except ConfigError as exc:
+        raise ConfigError(f"strategy.compressor: {exc}") from exc
 
 
 def _check_trainer(trainer: DictConfig) -> None:
@@ -196,8 +213,7 @@ def _check_trainer(trainer: DictConfig) -> None:
 
 def _check_cluster(cluster: DictConfig, ranks: int) -> None:
     _choice("cluster.accelerator", cluster.accelerator, ACCELERATORS)
-    backends = ("gloo", "nccl") if cluster.accelerator == "gpu" else ("gloo",)
-    _choice("cluster.backend", cluster.backend, backends)
+    _choice("cluster.backend", cluster.backend, BACKENDS[cluster.accelerator])
     _at_least("cluster.threads", cluster.threads, 1)
     if not 0 < cluster.timeout < math.inf:
         raise ConfigError(f"cluster.timeout must be a finite number of seconds > 0, got {cluster.timeout!r}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
 
 from gradsync import ConfigError
 from gradsync.recipes import app, data, models, schema
@@ -65,6 +66,18 @@ def test_the_optuna_recipe_tunes_partition_size_channels_and_rank():
     result = {"accuracy": [50.0, 90.0], "breakdown": {"throughput": 6400.0, "iteration_ms": 10.0}}
     assert app.objective_values(result, cfg.objectives) == [6400.0, 90.0]
     assert app.objective_values(result, ["iteration_ms"]) == 10.0
+
+
+def test_the_optuna_recipe_samples_credits_1_to_3():
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+    with initialize_config_module("gradsync.recipes.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["hparams_search=optuna"], return_hydra_config=True)
+    # as the sweeper reads its params (OptunaSweeperImpl._parse_sweeper_params_config)
+    space, _ = create_params_from_overrides([f"{key}={value}" for key, value in cfg.hydra.sweeper.params.items()])
+    credit = space["strategy.options.credit"]
+    values = credit.choices if hasattr(credit, "choices") else range(credit.low, credit.high + 1, credit.step)
+    assert sorted(values) == [1, 2, 3]
 
 
 def test_an_optuna_sweep_runs_its_trials_and_writes_the_summary(tmp_path, monkeypatch):
@@ -136,7 +149,6 @@ def test_the_limits_themselves_pass_the_checks():
 
 def test_each_strategy_option_builds_its_lightning_strategy():
     from pytorch_lightning.strategies import DDPStrategy
-    from omegaconf import OmegaConf
 
     from gradsync.strategies import GradSyncStrategy
 
@@ -154,6 +166,21 @@ def test_each_strategy_option_builds_its_lightning_strategy():
     assert acp.compressor == {"type": "acp_sgd", "rank": 2} and acp.scheduler == "wfbp"
 
 
+@pytest.mark.parametrize("override", ["+strategy.compressor={type:acp_sgd,rank:2}",
+                                      "strategy.compressor={type:acp_sgd,rank:2}",
+                                      "+strategy.compressor.type=acp_sgd +strategy.compressor.rank=2"])
+def test_a_compressor_can_be_added_to_a_scheduler_strategy(override):
+    cfg = composed("strategy=us_byte", *override.split())
+    schema.check(cfg)
+    strategy = app.build_strategy(OmegaConf.to_container(cfg, resolve=True))
+    assert strategy.compressor == {"type": "acp_sgd", "rank": 2} and strategy.scheduler == "us_byte"
+
+
+def test_a_compressor_key_not_in_the_config_needs_hydras_plus():
+    with pytest.raises(ConfigCompositionException, match=r"use \+strategy\.compressor\.type=acp_sgd"):
+        composed("strategy=us_byte", "strategy.compressor.type=acp_sgd")
+
+
 def test_cluster_gpu_needs_cuda_devices():
     import torch
 
@@ -168,6 +195,12 @@ def test_cluster_gpu_needs_cuda_devices():
     ("strategy.name=bogus", "strategy.name", ["ddp", "us_byte", "acp_sgd"]),
     ("strategy.scheduler=bogus", "strategy.scheduler", ["mg_wfbp", "auto"]),
     ("strategy.compressor.type=bogus", "strategy.compressor.type", ["powersgd", "topk"]),
+    ("strategy=us_byte +strategy.compressor.type=bogus", "strategy.compressor.type", ["acp_sgd", "topk"]),
+    ("strategy=us_byte +strategy.compressor={rank:2}", "strategy.compressor", ["'type'", "acp_sgd"]),
+    ("strategy=us_byte +strategy.compressor={type:acp_sgd,bogus:1}", "strategy.compressor", ["'bogus'"]),
+    ("strategy=us_byte strategy.compressor=acp_sgd", "strategy.compressor", ["mapping", "'acp_sgd'", "powersgd"]),
+    ("+strategy.options.process_group_backend=mpi", "strategy.options.process_group_backend",
+     ["cluster.backend", "gloo, nccl"]),
     ("model=transformer", "data", ["synthetic_tokens"]),
     ("logger.kind=bogus", "logger.kind", ["wandb", "csv", "none"]),
     ("cluster.backend=nccl", "cluster.backend", ["gloo"]),
