@@ -31,6 +31,9 @@ Few trees: weights below `prune` × the largest are dropped and the master re-so
 """
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -248,11 +251,48 @@ class _Master:
             self.solve()
 
 
+_highs_made = False  # whether this process has created a HiGHS instance (and so had its banner)
+
+
+def _quiet_highs() -> _Highs:
+    """A HiGHS instance with output off. The first one in a process writes HiGHS's banner to file
+    descriptor 1 from C++, before any option can silence it (it would corrupt `--json` output), so
+    that one is created with descriptor 1 muted."""
+    global _highs_made
+    if _highs_made:
+        lp = _Highs()
+    else:
+        with _descriptor_1_muted():
+            lp = _Highs()
+        _highs_made = True
+    lp.setOptionValue("output_flag", False)
+    return lp
+
+
+@contextmanager
+def _descriptor_1_muted():
+    """File descriptor 1 (C-level stdout) pointed at /dev/null inside the block, restored after."""
+    if sys.stdout is not None:
+        sys.stdout.flush()  # Python's pending output goes out before the redirection
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1: nothing to keep clean
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def _new_model(graph: _Graph, eq_groups: int, cap_groups: int):
     """HiGHS model with the rows of the master and the χ_v columns: equality rows
     Σ w − χ_v = 0 per (group, root), then capacity rows Σ w x_e ≤ b_e per (group, link)."""
-    lp = _Highs()
-    lp.setOptionValue("output_flag", False)
+    lp = _quiet_highs()
     lp.setOptionValue("presolve", "off")
     lp.setOptionValue("solver", "simplex")
     lp.setOptionValue("simplex_strategy", 4)  # primal: appended columns keep the basis primal feasible
