@@ -29,8 +29,10 @@ bench: install
 	$(PY) benchmarks/reproduce_planners.py > /dev/null && echo "wrote benchmarks/results/reproduce_planners.md"
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/compression_speed.py
+	$(PY) benchmarks/triton_kernels.py
 	$(PY) benchmarks/convergence_digits.py > /dev/null && echo "wrote benchmarks/results/convergence_digits.md"
 	$(PY) benchmarks/reproduce_compression.py > /dev/null && echo "wrote benchmarks/results/reproduce_compression.md"
+	$(PY) benchmarks/reproduce_topology.py > /dev/null && echo "wrote benchmarks/results/reproduce_topology.md"
 	$(PY) benchmarks/forest_allreduce.py
 	$(PY) benchmarks/forest_netbed.py
 	$(PY) -m benchmarks.head_to_head --topology 2x2-pcie --inter-gbps 1 --out benchmarks/results/head_to_head_topology.md

@@ -1,4 +1,6 @@
 """The distribution maps every top-level folder onto the gradsync package, installed or editable."""
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +24,43 @@ def test_editable_install_imports_every_subpackage_from_the_folders(tmp_path):
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL % SUBPACKAGES], cwd=tmp_path, check=True,
                           capture_output=True, text=True)
     assert done.stdout.strip() == str(ROOT / "ext" / "__init__.py")
+
+
+LAZY_ATTRIBUTES = """import sys, gradsync
+assert "deepspeed" not in sys.modules, "import gradsync imported deepspeed"
+print(gradsync.launch.run_local.__name__, gradsync.timeline_plot.plot_timeline.__name__)
+assert "deepspeed" not in sys.modules, "gradsync.launch imported deepspeed"
+try:
+    gradsync.no_such_name
+except AttributeError as error:
+    print(error)
+if %r:
+    print(gradsync.deepspeed.initialize.__module__)
+"""
+
+
+def test_a_plain_import_reaches_launch_and_deepspeed_lazily():
+    with_deepspeed = importlib.util.find_spec("deepspeed") is not None  # an optional extra
+    done = subprocess.run([sys.executable, "-c", LAZY_ATTRIBUTES % with_deepspeed], check=True,
+                          capture_output=True, text=True)
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["run_local plot_timeline", "module 'gradsync' has no attribute 'no_such_name'"]
+    assert (lines[-1] == "gradsync.deepspeed.engine") if with_deepspeed else len(lines) == 2  # after DeepSpeed's log
+
+
+TOOLS = {"simulator_replay"}  # re-predicts a stored head-to-head with the simulator: writes no result
+
+
+def bench_recipe() -> str:
+    """The commands of the Makefile's `bench` target."""
+    return re.search(r"^bench:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)[1]
+
+
+def test_make_bench_runs_every_benchmark_script():
+    recipe = bench_recipe()
+    scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")
+               if 'if __name__ == "__main__":' in path.read_text()} - TOOLS
+    assert {"reproduce_topology", "triton_kernels", "head_to_head"} <= scripts
+    missing = [name for name in sorted(scripts)
+               if f"benchmarks/{name}.py" not in recipe and f"-m benchmarks.{name}" not in recipe]
+    assert not missing, f"make bench does not run {missing}"
