@@ -97,16 +97,17 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
                 share_from_first(random.randrange(2**62), process_group))
     sync = GradSync(model, layout, channels, arguments.scheduler, arguments.planner_options, arguments.nonfinite,
                     arguments.broadcast_buffers, codec, writer)
-    sync.check_optimizer(optimizer)
-    cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=layout.device)
-    if arguments.profile is not None:
-        sync.install_plan(arguments.profile, cost)
-    else:
-        sync.install_plan(skeleton, cost, CALIBRATION_PLANNER, CALIBRATION_OPTIONS)  # see measure.py
-        sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
-                                              arguments.measure_iterations, type(model).__name__,
-                                              codec.steady_rounds(), arguments.plan_trials)
-    return model, SyncedOptimizer(optimizer, sync)
+    with sync.detached_on_error():
+        sync.check_optimizer(optimizer)
+        cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=layout.device)
+        if arguments.profile is not None:
+            sync.install_plan(arguments.profile, cost)
+        else:
+            sync.install_plan(skeleton, cost, CALIBRATION_PLANNER, CALIBRATION_OPTIONS)  # see measure.py
+            sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
+                                                  arguments.measure_iterations, type(model).__name__,
+                                                  codec.steady_rounds(), arguments.plan_trials)
+        return model, SyncedOptimizer(optimizer, sync)
 
 
 def _forest_topology(arguments: WrapArguments, process_group) -> Topology | None:

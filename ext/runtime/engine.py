@@ -1,17 +1,19 @@
 """GradSync: attaches a plan's execution to a model with hooks, and steps the optimizer.
 
 Lifecycle of one iteration:
-1. forward: a module with deferred parameters first waits for their ops and applies their update
-   (modules whose own forward did not run in a forward pass, e.g. nn.MultiheadAttention's
-   out_proj whose weight its parent reads directly, are updated when the model's forward starts);
+1. forward: a module with deferred parameters first waits for their ops and applies their update,
+   as does any other module holding one of them (tied weights); modules whose own forward did not
+   run in a forward pass (e.g. nn.MultiheadAttention's out_proj, whose weight its parent reads
+   directly) are updated when the model's forward starts;
 2. backward: each parameter's post-accumulate-grad hook marks it ready; ops launch in plan order
    per channel as their slices become ready; when the backward pass ends, the remaining
    (forward-phase) ops launch and the buffers are broadcast from the first rank;
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
    parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
    when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
-While ``profile``/``cost`` are being measured the plan is WFBP; then the real plan replaces it
-(made again once a codec warming up has reached its steady state: gradsync.runtime.measure).
+While ``profile``/``cost`` are being measured the plan is ``ddp`` with unbounded buckets: one op per
+element size, launched when the backward pass ends; then the real plan replaces it (made again
+once a codec warming up has reached its steady state: gradsync.runtime.measure).
 Then the predictions follow the computation's measured speed (gradsync.runtime.compute_speed).
 """
 from __future__ import annotations
@@ -76,6 +78,7 @@ class GradSync:
         self.enabled = True
         self.in_backward = False
         self.backward_synced = False
+        self.used_unsynced: set[str] = set()  # parameters whose gradients accumulated under no_sync since the last sync
         self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
         self.wait_at_backward_end = False  # for front-ends whose hooks read the gradients before the step
         self.iteration = 0
@@ -109,6 +112,8 @@ class GradSync:
         for name, parameter in layout.parameters.items():
             self.handles.append(parameter.register_hook(self._refuse_second_backward))
             self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
+        for module, owners in layout.borrowers.values():
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
         for module_name, module in layout.modules.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_for(module_name)))
             if trace is not None:
@@ -170,7 +175,8 @@ class GradSync:
     # -- hooks -------------------------------------------------------------------------------------
     def _hook_for(self, name: str):
         def hook(_parameter):
-            if not self.enabled:
+            if not self.enabled:  # counted as used by the next synchronised backward, as torch DDP does
+                self.used_unsynced.add(name)
                 return
             if not self.in_backward:
                 self._begin_backward()
@@ -198,7 +204,8 @@ class GradSync:
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
         self.executor = self.executors[self.rounds_now[0]]
-        self.executor.start_iteration(self.sync_steps)
+        self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced)
+        self.used_unsynced = set()
         self.sync_steps += 1
         if self.trace is not None:
             self.trace.mark("backward start")
@@ -239,6 +246,13 @@ class GradSync:
                 self.measurement.module_start(module_name)
             if self.trace is not None:
                 self.trace.forward_start(module_name)
+        return pre_forward
+
+    def _pre_forward_borrowing(self, owners: list[str]):
+        """A module holding tied weights that `owners` own may read them first: their updates first."""
+        def pre_forward(_module, _inputs):
+            for owner in owners:
+                self._apply_deferred(owner)
         return pre_forward
 
     # -- optimizer ---------------------------------------------------------------------------------
@@ -393,6 +407,15 @@ class GradSync:
         self.sync_steps = state["step"]
 
     # -- teardown ----------------------------------------------------------------------------------
+    @contextmanager
+    def detached_on_error(self):
+        """Detach if the block raises (the rest of a wrap): the model is left free to wrap again."""
+        try:
+            yield
+        except BaseException:
+            self.detach()
+            raise
+
     def detach(self) -> None:
         """Remove every hook, apply pending updates and release the channels."""
         self.flush()

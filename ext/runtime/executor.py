@@ -3,10 +3,11 @@
 Every tensor passes through the codec (the identity when nothing is compressed): when the first
 op carrying a tensor launches, the codec encodes its gradient into a wire tensor, and ops carry
 slices of wire tensors. Each op's buffer holds its slices, one "used" flag per tensor and a last
-"non-finite" flag: a rank whose backward never produced a gradient contributes zeros and used flag
-0, and a rank whose share sums to inf or NaN sets the non-finite flag (on the device, at launch,
-where the check overlaps the ops already in flight; each rank sends its share of the mean, whose
-partial sums cannot overflow, so the reduced data holds an inf or a NaN only where a share does).
+"non-finite" flag: a rank whose backward passes since the last synchronisation (no_sync ones
+included) never produced a gradient contributes zeros and used flag 0, and a rank whose share sums
+to inf or NaN sets the non-finite flag (on the device, at launch, where the check overlaps the ops
+already in flight; each rank sends its share of the mean, whose partial sums cannot overflow, so
+the reduced data holds an inf or a NaN only where a share does).
 After the collective a used-flag sum of 0 means no rank used the tensor and its gradient is left
 untouched, as torch DDP does with ``find_unused_parameters``; otherwise, once every op of a tensor
 is done, the codec writes the averaged gradient (an uncompressed tensor that one op carries whole
@@ -96,8 +97,8 @@ class PlanExecutor:
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
-        """Reset for synchronised iteration `step`; `ready`: tensors already produced (a later
-        round of the same step)."""
+        """Reset for synchronised iteration `step`; `ready`: tensors already produced (in the
+        no_sync backward passes before this one, or in the step's earlier round)."""
         self.step = step
         self.encode_seconds = 0.0
         for state in self.ops:
@@ -135,6 +136,8 @@ class PlanExecutor:
                 self.cursor[channel] += 1
 
     def _used(self, name: str) -> bool:
+        """Whether this rank has a gradient of `name` to send: produced in this synchronised
+        backward or in the no_sync ones before it (it holds their sum)."""
         return name in self.ready and self.parameters[name].grad is not None
 
     def _wire(self, name: str) -> torch.Tensor | None:

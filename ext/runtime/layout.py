@@ -1,7 +1,7 @@
 """The live model's gradient layout: trainable parameters grouped by the module that owns them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -13,23 +13,30 @@ from ..profile import LayerProfile, ModelProfile, TensorSpec
 @dataclass(frozen=True)
 class ParameterLayout:
     """Trainable parameters by qualified name (a shared parameter once, under its first name) and
-    the modules that own them, in `module_order` (input → output once measured, else registration)."""
+    the modules that own them, in `module_order` (input → output once measured, else registration).
+    A shared parameter's first module owns it; the others holding it are its `borrowers`."""
 
     parameters: dict[str, nn.Parameter]
     owners: dict[str, list[str]]  # module name -> names of the parameters it owns directly
     modules: dict[str, nn.Module]
+    # module name -> (module, owner modules of the shared parameters it holds directly but does not own)
+    borrowers: dict[str, tuple[nn.Module, list[str]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ParameterLayout":
         parameters: dict[str, nn.Parameter] = {}
         owners: dict[str, list[str]] = {}
         modules: dict[str, nn.Module] = {}
-        seen: set[int] = set()
+        borrowers: dict[str, tuple[nn.Module, list[str]]] = {}
+        owner_of: dict[int, str] = {}  # parameter id -> its owner module
         for module_name, module in model.named_modules():
             for local_name, parameter in module.named_parameters(recurse=False):
-                if not parameter.requires_grad or id(parameter) in seen:
+                if not parameter.requires_grad:
                     continue
-                seen.add(id(parameter))
+                if id(parameter) in owner_of:
+                    _borrow(borrowers, module_name, module, owner_of[id(parameter)])
+                    continue
+                owner_of[id(parameter)] = module_name
                 name = f"{module_name}.{local_name}" if module_name else local_name
                 parameters[name] = parameter
                 owners.setdefault(module_name, []).append(name)
@@ -41,7 +48,8 @@ class ParameterLayout:
         if sparse:
             raise ConfigError(f"modules {sparse} make sparse gradients (sparse=True), which gradsync cannot "
                               "all-reduce: construct them with sparse=False")
-        return cls(parameters, owners, modules)
+        _check_dtypes(parameters)
+        return cls(parameters, owners, modules, borrowers)
 
     @property
     def device(self):
@@ -104,3 +112,25 @@ class ParameterLayout:
                  != (theirs[n].numel, theirs[n].bytes_per_element)]
         if wrong:
             raise ConfigError(f"profile {profile.name!r}: sizes differ from the model for {wrong[:5]}")
+
+
+def _borrow(borrowers: dict, module_name: str, module: nn.Module, owner: str) -> None:
+    """Record that `module` holds a parameter `owner` owns (a tied weight)."""
+    if owner == module_name:
+        return
+    owners = borrowers.setdefault(module_name, (module, []))[1]
+    if owner not in owners:
+        owners.append(owner)
+
+
+def _check_dtypes(parameters: dict[str, nn.Parameter]) -> None:
+    """Plans keep gradients of different element sizes apart, not dtypes of one size (fp16 and
+    bf16): an op carrying both could not share one buffer."""
+    examples: dict[int, dict[torch.dtype, str]] = {}  # element size -> dtype -> first parameter
+    for name, parameter in parameters.items():
+        examples.setdefault(parameter.element_size(), {}).setdefault(parameter.dtype, name)
+    for size, by_dtype in examples.items():
+        if len(by_dtype) > 1:
+            named = ", ".join(f"{dtype} (e.g. {by_dtype[dtype]!r})" for dtype in sorted(by_dtype, key=str))
+            raise ConfigError(f"trainable parameters mix dtypes of {size} bytes per element: {named}; "
+                              "gradsync cannot keep their gradients apart: cast them to one dtype")

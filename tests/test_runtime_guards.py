@@ -1,0 +1,165 @@
+"""Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
+into the forward of tied weights, dtype mixes the planners cannot separate, failed wraps."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync import ConfigError
+from gradsync.launch import run_local
+from gradsync.runtime import attached, engine
+from gradsync.runtime.layout import ParameterLayout
+from runtime_models import COST, VOCAB, WIDTH, TiedNet, batch, synthetic_profile
+
+
+def _profile(model):
+    layout = ParameterLayout.of(model)
+    return layout.profile("guards", None, {m: 1e-3 for m in layout.owners}, {m: 2e-3 for m in layout.owners})
+
+
+class TwoBranches(nn.Module):
+    """A trunk and two heads; each forward runs one head."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(WIDTH, WIDTH)
+        self.a = nn.Linear(WIDTH, 4)
+        self.b = nn.Linear(WIDTH, 4)
+
+    def forward(self, x, branch):
+        return getattr(self, branch)(torch.tanh(self.trunk(x)))
+
+
+def _branch_loss(model, rank, step, branch):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return model(torch.randn(6, WIDTH, generator=generator), branch).square().mean()
+
+
+def branch_used_only_under_no_sync(rank, world_size, scheduler):
+    """Micro-batch 1 (under no_sync) runs head b alone, micro-batch 2 (synchronised) head a alone:
+    b's accumulated gradient must be averaged, as torch DDP does. Every gradient's distance to DDP's."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
+                                     profile=_profile(model), cost=COST)
+    for network, no_sync in ((model, gradsync.no_sync(model)), (reference, reference.no_sync())):
+        with no_sync:
+            _branch_loss(network, rank, 0, "b").backward()
+        _branch_loss(network, rank, 1, "a").backward()
+    optimizer.synchronize()
+    theirs = dict(reference.module.named_parameters())
+    distances = {name: (p.grad - theirs[name].grad).abs().max().item() for name, p in model.named_parameters()}
+    attached(model).detach()
+    return distances
+
+
+@pytest.mark.parametrize("scheduler", ["wfbp", "us_byte"])
+def test_a_parameter_used_only_under_no_sync_is_averaged_like_ddp(scheduler):
+    for distances in run_local(branch_used_only_under_no_sync, 2, scheduler):
+        assert max(distances.values()) < 1e-6, distances
+
+
+class HeadFirst(nn.Module):
+    """`head` is registered before `embed` and owns their tied weight, but `embed` reads it first."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.embed.weight = self.head.weight
+        self.mix = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens).mean(1))))
+
+
+def tied_weight_read_first_by_a_non_owner(rank, world_size, scheduler, options):
+    """4 steps with every update deferred into the next forward; the distance to DDP's parameters."""
+    torch.manual_seed(5)
+    model = HeadFirst()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5), scheduler=scheduler,
+                                     profile=_profile(model), cost=COST, **options)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(4):
+        tokens, targets = batch(rank, step)
+        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
+            stepper.zero_grad()
+            F.cross_entropy(network(tokens), targets).backward()
+            stepper.step()
+    pending = len(attached(model).pending)
+    optimizer.synchronize()
+    distance = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    attached(model).detach()
+    return pending, distance
+
+
+@pytest.mark.parametrize("scheduler, options", [("wfbp", {"overlap_forward": True}),
+                                                ("us_byte", {"partition_bytes": 256})])
+def test_a_tied_weight_is_updated_before_any_module_holding_it_reads_it(scheduler, options):
+    for pending, distance in run_local(tied_weight_read_first_by_a_non_owner, 2, scheduler, options):
+        assert pending > 0  # the steps did defer updates into the next forward
+        assert distance < 1e-6
+
+
+def _half_and_bfloat():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].half()
+    model[2].bfloat16()
+    return model
+
+
+def test_dtypes_of_one_element_size_are_refused_before_any_collective():
+    """torch.distributed is not initialised here: the error comes before wrap would need it."""
+    model = _half_and_bfloat()
+    named = r"torch\.bfloat16 \(e\.g\. '2\.weight'\), torch\.float16 \(e\.g\. '0\.weight'\)"
+    with pytest.raises(ConfigError, match=named):
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp")
+    assert model not in engine._ATTACHED
+
+
+def test_dtypes_of_different_element_sizes_are_accepted():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half(), nn.Linear(2, 2).double())
+    assert len(ParameterLayout.of(model).parameters) == 6
+
+
+def a_failed_wrap_leaves_the_model_free(rank, world_size):
+    """A wrap failing after its hooks are attached (each rank plans different buckets: plan hash
+    mismatch) detaches them: a plain backward runs, and the model can be wrapped again and trains
+    like DDP. Returns the error, whether the model is left attached, and the distance to DDP."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    try:
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
+                      profile=synthetic_profile(model), cost=COST, first_bucket_bytes=1 if rank else 1 << 20)
+        error = None
+    except ConfigError as failure:
+        error = str(failure)
+    left_attached = model in engine._ATTACHED
+    tokens, targets = batch(rank, 0)
+    F.cross_entropy(model(tokens), targets).backward()  # no hook of the failed wrap fires
+    model.zero_grad()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     profile=synthetic_profile(model), cost=COST)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        tokens, targets = batch(rank, step)
+        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
+            stepper.zero_grad()
+            F.cross_entropy(network(tokens), targets).backward()
+            stepper.step()
+    distance = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    attached(model).detach()
+    return error, left_attached, distance
+
+
+def test_a_wrap_that_fails_after_attaching_detaches():
+    for error, left_attached, distance in run_local(a_failed_wrap_leaves_the_model_free, 2):
+        assert error is not None and "plan hash mismatch" in error
+        assert not left_attached
+        assert distance < 1e-6
