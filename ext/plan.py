@@ -121,14 +121,13 @@ class Plan:
         ops = []
         for index, entry in enumerate(data["ops"]):
             try:
-                slices = tuple(Slice(str(t), int(o), int(n)) for t, o, n in entry["slices"])
                 ops.append(
                     Op(
-                        slices,
+                        _slices(entry["slices"]),
                         entry.get("phase", BACKWARD),
-                        int(entry.get("channel", 0)),
-                        int(entry.get("priority", 0)),
-                        entry.get("codec", "identity"),
+                        _integer(entry.get("channel", 0), "channel"),
+                        _integer(entry.get("priority", 0), "priority"),
+                        _string(entry.get("codec", "identity"), "codec"),
                         entry.get("transport", "allreduce"),
                         _flag(entry.get("deferred", False), "deferred"),
                     )
@@ -156,6 +155,7 @@ class Plan:
 
         - every gradient element is covered by exactly one slice, and slices lie in their tensor;
         - an op carries one element size (fp32/fp16/bf16 gradients never share a buffer);
+        - offsets, lengths, channels and priorities are integers, codecs strings;
         - phases, transports and channels are valid, channels numbered 0..C-1 with none unused;
         - on each channel, no backward op follows a forward op: forward ops only launch once the
           backward pass is over, so a backward op queued behind one could not start when its
@@ -173,6 +173,7 @@ class Plan:
                 raise ConfigError(f"{where}: 'transport' must be one of {TRANSPORTS}, got {op.transport!r}")
             if op.deferred and op.phase != BACKWARD:
                 raise ConfigError(f"{where}: only backward ops can be 'deferred' (forward ops always gate the forward)")
+            _check_types(op, where)
             if op.channel < 0:
                 raise ConfigError(f"{where}: 'channel' must be >= 0, got {op.channel}")
             sizes = set()
@@ -214,6 +215,52 @@ def _flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name!r} must be true or false, got {value!r}")
     return value
+
+
+def _is_integer(value: Any) -> bool:
+    """A real integer: not a bool, a float or a string that would convert to one (and lose data)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(value: Any, name: str) -> int:
+    if not _is_integer(value):
+        raise TypeError(f"{name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _string(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name!r} must be a string, got {value!r}")
+    return value
+
+
+def _slices(entries: Any) -> tuple[Slice, ...]:
+    """An op's ``[tensor, offset, length]`` triples, checked as a string and two integers."""
+    if not isinstance(entries, list):
+        raise TypeError(f"'slices' must be a list of [tensor, offset, length], got {entries!r}")
+    slices = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise TypeError(f"'slices[{index}]' must be [tensor, offset, length], got {entry!r}")
+        tensor, offset, length = entry
+        where = f"slices[{index}]"
+        slices.append(Slice(_string(tensor, f"{where}.tensor"), _integer(offset, f"{where}.offset"),
+                            _integer(length, f"{where}.length")))
+    return tuple(slices)
+
+
+def _check_types(op: Op, where: str) -> None:
+    """Integers where the runtime indexes and counts, a string codec: ops built in Python never
+    pass through from_dict's checks."""
+    for name in ("channel", "priority"):
+        if not _is_integer(getattr(op, name)):
+            raise ConfigError(f"{where}: {name!r} must be an integer, got {getattr(op, name)!r}")
+    if not isinstance(op.codec, str):
+        raise ConfigError(f"{where}: 'codec' must be a codec name (a string), got {op.codec!r}")
+    for index, s in enumerate(op.slices):
+        for name in ("offset", "length"):
+            if not _is_integer(getattr(s, name)):
+                raise ConfigError(f"{where}: 'slices[{index}].{name}' must be an integer, got {getattr(s, name)!r}")
 
 
 def ops_by_channel(ops: Iterable[Op]) -> dict[int, list[int]]:

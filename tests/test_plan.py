@@ -72,3 +72,39 @@ def test_deferring_the_waits_marks_every_backward_op_and_only_those():
     again = Plan.from_json(deferred.to_json())
     assert again == deferred and again.hash == deferred.hash
     assert "deferred" not in made.to_json()  # plans without deferred ops keep their JSON and hash
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        ({"slices": [["t0", 0.9, 10.7]]}, r"ops\[0\].*'slices\[0\]\.offset' must be an integer, got 0\.9"),
+        ({"slices": [["t0", 0, 10.7]]}, r"ops\[0\].*'slices\[0\]\.length' must be an integer, got 10\.7"),
+        ({"slices": [["t0", 0, "10"]]}, r"ops\[0\].*'slices\[0\]\.length' must be an integer, got '10'"),
+        ({"slices": [["t0", False, 10]]}, r"ops\[0\].*'slices\[0\]\.offset' must be an integer, got False"),
+        ({"slices": [[0, 0, 10]]}, r"ops\[0\].*'slices\[0\]\.tensor' must be a string, got 0"),
+        ({"slices": [["t0", 0, 10]], "channel": 0.5}, r"ops\[0\].*'channel' must be an integer, got 0\.5"),
+        ({"slices": [["t0", 0, 10]], "channel": True}, r"ops\[0\].*'channel' must be an integer, got True"),
+        ({"slices": [["t0", 0, 10]], "priority": "7"}, r"ops\[0\].*'priority' must be an integer, got '7'"),
+        ({"slices": [["t0", 0, 10]], "codec": 5}, r"ops\[0\].*'codec' must be a string, got 5"),
+    ],
+)
+def test_json_fields_are_never_converted(op, message):
+    """A plan file's numbers are taken as they are: 10.7 elements is an error, not 10."""
+    plan = {"ops": [op, {"slices": [["t1", 0, 6]]}]}
+    with pytest.raises(ConfigError, match=message):
+        Plan.from_dict(plan)
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        (Op((Slice("t0", 0.0, 10), Slice("t1", 0, 6))), r"op 0: 'slices\[0\]\.offset' must be an integer"),
+        (Op((Slice("t0", 0, 10), Slice("t1", 0, 6.0))), r"op 0: 'slices\[1\]\.length' must be an integer"),
+        (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), channel=0.0), r"op 0: 'channel' must be an integer"),
+        (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), priority="7"), r"op 0: 'priority' must be an integer"),
+        (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), codec=5), r"op 0: 'codec' must be a codec name"),
+    ],
+)
+def test_validate_refuses_fields_of_the_wrong_type(op, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_of(op).validate(PROFILE)
