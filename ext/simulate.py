@@ -75,14 +75,6 @@ class Timeline:
         """Communication not hidden behind compute: iteration time minus forward, backward and update."""
         return max(0.0, self.iteration_time - self.compute_time)
 
-    @property
-    def num_ops(self) -> int:
-        return len(self.ops)
-
-    @property
-    def comm_bytes(self) -> int:
-        return sum(span.nbytes for span in self.ops)
-
 
 def contention_slowdown(gamma: float, transmitting: int) -> float:
     """s(k) = 1 + (γ − 1)(k − 1): per-op slowdown when k ops transmit at once (asc-wfbp eq. 9 at k = 2)."""

@@ -1,8 +1,6 @@
 """Checks shared by the planners for their keyword options."""
 from __future__ import annotations
 
-import math
-
 from ..errors import ConfigError
 from ..plan import Plan
 
@@ -13,13 +11,6 @@ def reject_unknown(planner: str, options: dict, valid: tuple[str, ...] = ()) -> 
     if unknown:
         accepted = ", ".join(valid) if valid else "none"
         raise ConfigError(f"scheduler {planner!r}: unknown option(s) {unknown}; valid: {accepted}")
-
-
-def positive_number(planner: str, field: str, value) -> float:
-    """`value` as a finite number > 0, or an error naming the option."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"scheduler {planner!r}: {field!r} must be a finite number > 0, got {value!r}")
-    return value
 
 
 def positive_int(planner: str, field: str, value) -> int:
