@@ -122,6 +122,15 @@ def test_dtypes_of_one_element_size_are_refused_before_any_collective():
     assert model not in engine._ATTACHED
 
 
+@pytest.mark.parametrize("compressor", ["acp_sgd", "powersgd", "signsgd", "topk"])
+def test_complex_parameters_are_refused_with_a_compressor_before_any_collective(compressor):
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    with pytest.raises(ConfigError, match=rf"compressor '{compressor}' works on real gradients; parameter\(s\) \['weight'\]"):
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp", compressor=compressor)
+    assert model not in engine._ATTACHED
+
+
 def test_dtypes_of_different_element_sizes_are_accepted():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half(), nn.Linear(2, 2).double())
     assert len(ParameterLayout.of(model).parameters) == 6

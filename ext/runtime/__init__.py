@@ -81,6 +81,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     check_not_attached(model)
     layout = ParameterLayout.of(model)
     layout.check_optimizer(optimizer)
+    layout.check_compressor(arguments.codec.name)
     if arguments.profile is not None:
         layout.check_profile(arguments.profile)
     skeleton = layout.profile(type(model).__name__)

@@ -84,6 +84,14 @@ class ParameterLayout:
         parameter = self.parameters[name]
         return TensorSpec(name, parameter.numel(), parameter.element_size(), tuple(parameter.shape))
 
+    def check_compressor(self, codec_name: str) -> None:
+        """Compressors work on real gradients: a complex parameter would lose its imaginary part
+        (the identity codec only copies and averages, which complex gradients take as they are)."""
+        complex_names = [name for name, parameter in self.parameters.items() if parameter.is_complex()]
+        if complex_names and codec_name != "identity":
+            raise ConfigError(f"compressor {codec_name!r} works on real gradients; parameter(s) {complex_names[:5]} "
+                              "are complex: train them without a compressor, or as real and imaginary parts")
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every parameter the optimizer updates must belong to the model."""
         known = {id(p) for p in self.parameters.values()}
