@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .errors import ConfigError
 from .profile import ModelProfile
@@ -211,9 +211,9 @@ class Plan:
         return self
 
 
-def _flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name!r} must be true or false, got {value!r}")
+def _checked(value: Any, name: str, accepted: Callable[[Any], bool], expected: str) -> Any:
+    if not accepted(value):
+        raise TypeError(f"{name!r} must be {expected}, got {value!r}")
     return value
 
 
@@ -222,16 +222,16 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _flag(value: Any, name: str) -> bool:
+    return _checked(value, name, lambda v: isinstance(v, bool), "true or false")
+
+
 def _integer(value: Any, name: str) -> int:
-    if not _is_integer(value):
-        raise TypeError(f"{name!r} must be an integer, got {value!r}")
-    return value
+    return _checked(value, name, _is_integer, "an integer")
 
 
 def _string(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name!r} must be a string, got {value!r}")
-    return value
+    return _checked(value, name, lambda v: isinstance(v, str), "a string")
 
 
 def _slices(entries: Any) -> tuple[Slice, ...]:

@@ -4,6 +4,7 @@ rank 0 uses."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gradsync import CostModel
@@ -40,6 +41,21 @@ def batch(rank: int, step: int):
     tokens = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=generator)
     targets = torch.randint(0, VOCAB, (BATCH,), generator=generator)
     return tokens, targets
+
+
+def train_side_by_side(pairs, rank: int, steps: int) -> None:
+    """`steps` steps of every (model, optimizer) pair on the same batches (gradsync's and torch DDP's)."""
+    for step in range(steps):
+        tokens, targets = batch(rank, step)
+        for network, stepper in pairs:
+            stepper.zero_grad()
+            F.cross_entropy(network(tokens), targets).backward()
+            stepper.step()
+
+
+def distance(model: nn.Module, reference: nn.Module) -> float:
+    """The largest difference between the two models' parameters."""
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def synthetic_profile(model: nn.Module):

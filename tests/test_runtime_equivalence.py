@@ -9,7 +9,7 @@ import gradsync
 from gradsync import planners
 from gradsync.runtime import attached
 from gradsync.launch import run_local
-from runtime_models import COST, AttentionNet, TiedNet, batch, synthetic_profile
+from runtime_models import COST, AttentionNet, TiedNet, batch, distance, synthetic_profile, train_side_by_side
 
 SMALL_BLOCKS = {"bytescheduler": {"partition_bytes": 256}, "us_byte": {"partition_bytes": 256}}
 SCHEDULERS = [n for n in planners.names()]
@@ -126,15 +126,10 @@ def attention_trains_like_ddp(rank, world_size, schedulers):
         model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=name,
                                          cost=COST, **SMALL_BLOCKS.get(name, {}))
         ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for step in range(8):
-            tokens, targets = batch(rank, step)
-            for net, opt in ((model, optimizer), (reference, ref_optimizer)):
-                opt.zero_grad()
-                F.cross_entropy(net(tokens), targets).backward()
-                opt.step()
+        train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, 8)
         optimizer.synchronize()
         sync = attached(model)
-        errors[name] = (max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())),
+        errors[name] = (distance(model, reference),
                         sum(op.phase != "backward" for plan in sync.plans.values() for op in plan.ops))
         sync.detach()
     return errors

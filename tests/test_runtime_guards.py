@@ -12,7 +12,7 @@ from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.runtime import attached, engine
 from gradsync.runtime.layout import ParameterLayout
-from runtime_models import COST, VOCAB, WIDTH, TiedNet, batch, synthetic_profile
+from runtime_models import COST, VOCAB, WIDTH, TiedNet, batch, distance, synthetic_profile, train_side_by_side
 
 
 def _profile(model):
@@ -85,17 +85,12 @@ def tied_weight_read_first_by_a_non_owner(rank, world_size, scheduler, options):
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5), scheduler=scheduler,
                                      profile=_profile(model), cost=COST, **options)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for step in range(4):
-        tokens, targets = batch(rank, step)
-        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
-            stepper.zero_grad()
-            F.cross_entropy(network(tokens), targets).backward()
-            stepper.step()
+    train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, 4)
     pending = len(attached(model).pending)
     optimizer.synchronize()
-    distance = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    apart = distance(model, reference)
     attached(model).detach()
-    return pending, distance
+    return pending, apart
 
 
 @pytest.mark.parametrize("scheduler, options", [("wfbp", {"overlap_forward": True}),
@@ -156,15 +151,10 @@ def a_failed_wrap_leaves_the_model_free(rank, world_size):
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
                                      profile=synthetic_profile(model), cost=COST)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(2):
-        tokens, targets = batch(rank, step)
-        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
-            stepper.zero_grad()
-            F.cross_entropy(network(tokens), targets).backward()
-            stepper.step()
-    distance = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, 2)
+    apart = distance(model, reference)
     attached(model).detach()
-    return error, left_attached, distance
+    return error, left_attached, apart
 
 
 def test_a_wrap_that_fails_after_attaching_detaches():
