@@ -304,16 +304,16 @@ def test_host_time_of_the_timed_plan_leaves_the_profile_in_proportion():
     assert without_host(profile, plan, 10 * host).backward_time == 0.0
 
 
-def different_costs(rank, world_size):
+def different_profiles(rank, world_size):
     model = TiedNet()
-    startup = 1e-6 if rank == 0 else 1.0  # rank 1 merges everything, rank 0 nothing
-    gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
-                  profile=synthetic_profile(model), cost=CostModel(startup, 1e-9))
+    profile = synthetic_profile(model).scaled(1e-3 if rank else 1.0)  # rank 1 merges everything, rank 0 not
+    gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp", profile=profile,
+                  cost=COST)
     return "wrapped"
 
 
 def test_plan_hash_mismatch_names_the_ranks():
-    outcomes = run_local(different_costs, 2, return_errors=True)
+    outcomes = run_local(different_profiles, 2, return_errors=True)
     assert len(outcomes) == 2, outcomes
     assert all(status == "error" and "ranks [1]" in text and "plan hash" in text for status, text in outcomes)
 

@@ -132,15 +132,17 @@ def test_dtypes_of_different_element_sizes_are_accepted():
 
 
 def a_failed_wrap_leaves_the_model_free(rank, world_size):
-    """A wrap failing after its hooks are attached (each rank plans different buckets: plan hash
-    mismatch) detaches them: a plain backward runs, and the model can be wrapped again and trains
-    like DDP. Returns the error, whether the model is left attached, and the distance to DDP."""
+    """A wrap failing after its hooks are attached (each rank's profile has other times, so mg_wfbp
+    merges differently: plan hash mismatch) detaches them: a plain backward runs, and the model can
+    be wrapped again and trains like DDP. Returns the error, whether the model is left attached, and
+    the distance to DDP."""
     torch.manual_seed(0)
     model = TiedNet()
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     try:
-        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
-                      profile=synthetic_profile(model), cost=COST, first_bucket_bytes=1 if rank else 1 << 20)
+        profile = synthetic_profile(model).scaled(1e-3 if rank else 1.0)  # one op on rank 1, seven on rank 0
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp", profile=profile,
+                      cost=COST)
         error = None
     except ConfigError as failure:
         error = str(failure)
@@ -162,3 +164,27 @@ def test_a_wrap_that_fails_after_attaching_detaches():
         assert error is not None and "plan hash mismatch" in error
         assert not left_attached
         assert distance < 1e-6
+
+
+def wrap_with_rank_dependent(rank, world_size, settings):
+    """wrap with settings[rank] on each rank: the error each rank raises, if any."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    try:
+        gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), profile=synthetic_profile(model), cost=COST,
+                      **settings[rank])
+    except ConfigError as failure:
+        return str(failure), model in engine._ATTACHED
+    attached(model).detach()
+    return None, False
+
+
+def test_ranks_wrapping_with_different_settings_fail_naming_them():
+    """Different channels or buffer broadcasts would make the ranks' collectives differ (a hang, or
+    a store timeout deep in the process group): every rank refuses first, naming what differs."""
+    settings = [{"scheduler": "wfbp", "channels": 2}, {"scheduler": "wfbp", "channels": 1, "broadcast_buffers": False}]
+    for error, left_attached in run_local(wrap_with_rank_dependent, 2, settings):
+        assert error is not None and "different ['broadcast_buffers', 'channels'] on different ranks" in error
+        assert not left_attached
+    same = [{"scheduler": "wfbp", "channels": 2, "trace": None}, {"scheduler": "wfbp", "channels": 2}]
+    assert run_local(wrap_with_rank_dependent, 2, same) == [(None, False)] * 2

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import planners
-from ..agreement import share_from_first
+from ..agreement import gather_from_all, share_from_first
 from ..compress import Codec
 from ..cost import CostModel
 from ..errors import ConfigError
@@ -88,6 +88,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     planners.get(arguments.scheduler)(skeleton, arguments.cost or CostModel(1e-4, 1e-9), **arguments.planner_options)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
+    check_same_settings(arguments, process_group)
 
     forest = _forest_topology(arguments, process_group)
     _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], process_group)
@@ -109,6 +110,16 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
                                                   arguments.measure_iterations, type(model).__name__,
                                                   codec.steady_rounds(), arguments.plan_trials)
         return model, SyncedOptimizer(optimizer, sync)
+
+
+def check_same_settings(arguments: WrapArguments, process_group) -> None:
+    """Every rank passed `wrap` the same settings (`WrapArguments.shared_settings`); else every
+    rank raises, naming the settings that differ, before any other collective."""
+    mine = arguments.shared_settings()
+    differing = sorted({key for theirs in gather_from_all(mine, process_group) for key in mine if theirs[key] != mine[key]})
+    if differing:
+        raise ConfigError(f"gradsync.wrap was given different {differing} on different ranks: pass the same "
+                          "arguments on every rank")
 
 
 def _forest_topology(arguments: WrapArguments, process_group) -> Topology | None:

@@ -44,6 +44,17 @@ class WrapArguments:
     transport: str = "allreduce"
     topology: Topology | None = None  # forest only; None: the complete graph of the ranks
 
+    def shared_settings(self) -> dict:
+        """What every rank must pass alike: a difference makes the ranks' collectives differ
+        (a hang or an error deep in the process group), so `attach` compares them first. The trace
+        path and the timeout may differ; a given profile's contents are checked by the plans' hash."""
+        return {"scheduler": self.scheduler, "scheduler options": self.planner_options,
+                "compressor": self.codec.name, "channels": self.channels, "transport": self.transport,
+                "topology": self.topology, "cost": self.cost, "profile measured": self.profile is None,
+                "nonfinite": self.nonfinite, "broadcast_buffers": self.broadcast_buffers,
+                "warmup_iterations": self.warmup_iterations, "measure_iterations": self.measure_iterations,
+                "plan_trials": self.plan_trials}
+
 
 def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int | None = None,
                          profile="measure", cost="measure", trace=None, timeout: float = 600.0,
