@@ -416,9 +416,10 @@ class SlowIdentity(gradsync.compress.Codec):
         self._sleep(step)
 
     def _sleep(self, step):
+        started = time.perf_counter()
         time.sleep(self.pause)
         self.paused += [0.0] * (step + 1 - len(self.paused))
-        self.paused[step] += self.pause
+        self.paused[step] += time.perf_counter() - started  # as slept: a busy host oversleeps
 
 
 def codec_time_of_a_slow_codec(rank, world_size, pause, scheduler):
@@ -438,13 +439,11 @@ def codec_time_of_a_slow_codec(rank, world_size, pause, scheduler):
 
 @pytest.mark.parametrize("scheduler", ["mg_wfbp", "us_byte"])
 def test_iteration_stats_hold_the_codecs_encoding_and_decoding_time(scheduler):
-    # us_byte defers the input layers' decoding to the next forward: counted in that iteration.
-    # Beyond the pauses, each of the codec's 66 calls costs a little (sleep's overshoot, dispatch):
-    # a quarter more in all, where counting any call twice would double the sum
+    # us_byte defers the input layers' decoding to the next forward: counted in that iteration
     pause = 0.004
     for stats, paused in run_local(codec_time_of_a_slow_codec, 2, pause, scheduler):
         codec_times = [codec_time for codec_time, _, _ in stats]
-        assert sum(codec_times) >= sum(paused[:2]) and sum(codec_times) < 1.25 * sum(paused)
+        assert sum(codec_times) >= sum(paused[:2]) and sum(codec_times) < sum(paused) + 0.02
         for codec_time, comm_wait, iteration_time in stats:
             assert codec_time >= 4 * pause and codec_time + comm_wait <= iteration_time
 
