@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from .errors import ConfigError
 from .profile import ModelProfile
@@ -121,19 +121,21 @@ class Plan:
         ops = []
         for index, entry in enumerate(data["ops"]):
             try:
-                ops.append(
-                    Op(
-                        _slices(entry["slices"]),
-                        entry.get("phase", BACKWARD),
-                        _integer(entry.get("channel", 0), "channel"),
-                        _integer(entry.get("priority", 0), "priority"),
-                        _string(entry.get("codec", "identity"), "codec"),
-                        entry.get("transport", "allreduce"),
-                        _flag(entry.get("deferred", False), "deferred"),
-                    )
+                op = Op(
+                    tuple(Slice(t, o, n) for t, o, n in entry["slices"]),
+                    entry.get("phase", BACKWARD),
+                    entry.get("channel", 0),
+                    entry.get("priority", 0),
+                    entry.get("codec", "identity"),
+                    entry.get("transport", "allreduce"),
+                    _flag(entry.get("deferred", False), "deferred"),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"plan JSON: ops[{index}] is malformed: {exc}") from exc
+            problem = _type_problem(op)
+            if problem:
+                raise ConfigError(f"plan JSON: ops[{index}] is malformed: {problem}")
+            ops.append(op)
         return cls(tuple(ops), str(data.get("planner", "custom")), dict(data.get("options") or {}))
 
     @classmethod
@@ -173,7 +175,9 @@ class Plan:
                 raise ConfigError(f"{where}: 'transport' must be one of {TRANSPORTS}, got {op.transport!r}")
             if op.deferred and op.phase != BACKWARD:
                 raise ConfigError(f"{where}: only backward ops can be 'deferred' (forward ops always gate the forward)")
-            _check_types(op, where)
+            problem = _type_problem(op)
+            if problem:
+                raise ConfigError(f"{where}: {problem}")
             if op.channel < 0:
                 raise ConfigError(f"{where}: 'channel' must be >= 0, got {op.channel}")
             sizes = set()
@@ -211,9 +215,9 @@ class Plan:
         return self
 
 
-def _checked(value: Any, name: str, accepted: Callable[[Any], bool], expected: str) -> Any:
-    if not accepted(value):
-        raise TypeError(f"{name!r} must be {expected}, got {value!r}")
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name!r} must be true or false, got {value!r}")
     return value
 
 
@@ -222,45 +226,18 @@ def _is_integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _flag(value: Any, name: str) -> bool:
-    return _checked(value, name, lambda v: isinstance(v, bool), "true or false")
-
-
-def _integer(value: Any, name: str) -> int:
-    return _checked(value, name, _is_integer, "an integer")
-
-
-def _string(value: Any, name: str) -> str:
-    return _checked(value, name, lambda v: isinstance(v, str), "a string")
-
-
-def _slices(entries: Any) -> tuple[Slice, ...]:
-    """An op's ``[tensor, offset, length]`` triples, checked as a string and two integers."""
-    if not isinstance(entries, list):
-        raise TypeError(f"'slices' must be a list of [tensor, offset, length], got {entries!r}")
-    slices = []
-    for index, entry in enumerate(entries):
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise TypeError(f"'slices[{index}]' must be [tensor, offset, length], got {entry!r}")
-        tensor, offset, length = entry
-        where = f"slices[{index}]"
-        slices.append(Slice(_string(tensor, f"{where}.tensor"), _integer(offset, f"{where}.offset"),
-                            _integer(length, f"{where}.length")))
-    return tuple(slices)
-
-
-def _check_types(op: Op, where: str) -> None:
-    """Integers where the runtime indexes and counts, a string codec: ops built in Python never
-    pass through from_dict's checks."""
-    for name in ("channel", "priority"):
-        if not _is_integer(getattr(op, name)):
-            raise ConfigError(f"{where}: {name!r} must be an integer, got {getattr(op, name)!r}")
-    if not isinstance(op.codec, str):
-        raise ConfigError(f"{where}: 'codec' must be a codec name (a string), got {op.codec!r}")
-    for index, s in enumerate(op.slices):
-        for name in ("offset", "length"):
-            if not _is_integer(getattr(s, name)):
-                raise ConfigError(f"{where}: 'slices[{index}].{name}' must be an integer, got {getattr(s, name)!r}")
+def _type_problem(op: Op) -> str | None:
+    """The first field of `op` of the wrong type: integers where the runtime indexes and counts
+    (never converted, so 10.7 elements is an error rather than 10), strings for names."""
+    fields = [(f"slices[{i}].{name}", getattr(s, name)) for i, s in enumerate(op.slices) for name in ("offset", "length")]
+    for name, value in [*fields, ("channel", op.channel), ("priority", op.priority)]:
+        if not _is_integer(value):
+            return f"{name!r} must be an integer, got {value!r}"
+    strings = [(f"slices[{i}].tensor", s.tensor) for i, s in enumerate(op.slices)] + [("codec", op.codec)]
+    for name, value in strings:
+        if not isinstance(value, str):
+            return f"{name!r} must be a string, got {value!r}"
+    return None
 
 
 def ops_by_channel(ops: Iterable[Op]) -> dict[int, list[int]]:

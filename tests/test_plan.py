@@ -102,7 +102,7 @@ def test_json_fields_are_never_converted(op, message):
         (Op((Slice("t0", 0, 10), Slice("t1", 0, 6.0))), r"op 0: 'slices\[1\]\.length' must be an integer"),
         (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), channel=0.0), r"op 0: 'channel' must be an integer"),
         (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), priority="7"), r"op 0: 'priority' must be an integer"),
-        (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), codec=5), r"op 0: 'codec' must be a codec name"),
+        (Op((Slice("t0", 0, 10), Slice("t1", 0, 6)), codec=5), r"op 0: 'codec' must be a string, got 5"),
     ],
 )
 def test_validate_refuses_fields_of_the_wrong_type(op, message):

@@ -26,13 +26,13 @@ def plan_layouts(profile: ModelProfile, cost: CostModel, scheduler: str, codec: 
                  flops_per_second: float | None = None) -> dict[str, LayoutPlan]:
     """The scheduler's plan of every layout of `codec`, each made on that layout's wire profile."""
     planner = planners.get(scheduler)
+    tensors = [spec for layer in profile.layers for spec in layer.tensors]
     result = {}
     for layout in codec.layouts():
         wire = wire_profile(profile, codec, layout, flops_per_second)
         scaled = scale_byte_options(planner, options, wire.total_bytes / profile.total_bytes)
         plan = planner(wire, cost, **scaled).validate(wire)
         labelled = tuple(replace(op, codec=codec.name) for op in plan.ops)
-        tensors = [spec for layer in profile.layers for spec in layer.tensors]
         result[layout] = LayoutPlan(Plan(labelled, plan.planner, plan.options), wire,
                                     codec_seconds(tensors, codec, layout, flops_per_second))
     return result
