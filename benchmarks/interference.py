@@ -15,6 +15,11 @@ wrap-time probe's σ, per model, number of ranks and NIC rate:
 - slowdown = beside / alone, the slowest rank's; and the same for the forward and the backward
   pass apart (each pass's medians: a forward beside traffic is what a plan that defers its waits
   into the next forward runs);
+- where the slowdown comes from: the computing thread's CPU time over the pass (alone and beside,
+  medians), so that beside − alone splits into time on the core (the same work taking more
+  cycles: caches shared with the transfers, interrupts served on its core) and time off it (the
+  thread preempted by gloo's threads and the kernel's network processing), with how often it was
+  preempted per pass;
 - transfer slowdown τ: the traffic timed alone and beside the pass, the rate it kept beside the
   pass (`slowdowns_of`, as the probe takes it), the median over the passes, the ranks' median;
 - probe σ and τ: `measure_cost`'s compute_slowdown and transfer_slowdown on the same job, fitted
@@ -32,6 +37,7 @@ import argparse
 import dataclasses
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -52,8 +58,9 @@ TRAFFIC_MARGIN = 3.0  # the traffic launched lasts this many times the compute a
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
-    """Median compute time alone and beside traffic on this rank (seconds; whole passes, and the
-    forward and backward pass apart), the traffic's size and its slowdown beside the pass."""
+    """Median compute time alone and beside traffic on this rank (seconds; whole passes, the
+    forward and backward pass apart, and the computing thread's time on and off a core with its
+    preemptions), the traffic's size and its slowdown beside the pass."""
     torch.manual_seed(0)
     workload = WORKLOADS[job["model"]]
     model = workload.build_model()
@@ -63,14 +70,15 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     group = dist.new_group(backend="gloo")
     gradient = torch.zeros(sum(p.numel() for p in model.parameters()))  # zeros: sums stay finite
 
-    def compute() -> tuple[float, float]:
-        """The forward's and the backward's seconds."""
+    def compute() -> Pass:
         model.zero_grad()
+        switches, cpu = preemptions(), time.thread_time()
         started = time.perf_counter()
         loss = F.cross_entropy(model(inputs), labels)
         forward_end = time.perf_counter()
         loss.backward()
-        return forward_end - started, time.perf_counter() - forward_end
+        ended = time.perf_counter()
+        return Pass(forward_end - started, ended - forward_end, time.thread_time() - cpu, preemptions() - switches)
 
     def allreduce() -> float:
         started = time.perf_counter()
@@ -80,29 +88,29 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     for _ in range(2):  # warm-up
         compute(), allreduce()
     passes_alone = [compute() for _ in range(job["repeats"])]
-    alone = statistics.median(sum(passes) for passes in passes_alone)
+    alone = statistics.median(one.seconds for one in passes_alone)
     one_op = statistics.median(allreduce() for _ in range(job["repeats"]))
     slowest = torch.tensor([alone, one_op], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the same numbers, so the same ops, on every rank
     ops = max(1, math.ceil(TRAFFIC_MARGIN * slowest[0].item() / slowest[1].item()))
     buffers = [gradient.clone() for _ in range(ops)]
 
-    def traffic(beside_compute: bool) -> tuple[tuple[float, float], float]:
-        """The pass's (forward, backward) seconds, if run, and the traffic's."""
+    def traffic(beside_compute: bool) -> tuple[Pass | None, float]:
+        """The pass, if run, and the traffic's seconds."""
         dist.barrier()
         started = time.perf_counter()
         works = [dist.all_reduce(buffer, group=group, async_op=True) for buffer in buffers]
-        passes = compute() if beside_compute else (0.0, 0.0)
+        passed = compute() if beside_compute else None
         for work in works:
             work.wait()
-        return passes, time.perf_counter() - started
+        return passed, time.perf_counter() - started
 
     beside, transfer_slowdowns = [], []
     for _ in range(job["repeats"]):
         traffic_alone = traffic(False)[1]
-        passes, traffic_beside = traffic(True)
-        beside.append(passes)
-        transfer_slowdowns.append(slowdowns_of(alone, traffic_alone, sum(passes), traffic_beside)[1])
+        passed, traffic_beside = traffic(True)
+        beside.append(passed)
+        transfer_slowdowns.append(slowdowns_of(alone, traffic_alone, passed.seconds, traffic_beside)[1])
     host_probe = job.get("host_probe", {})  # measure_host's ops and repeats where not wrap's
 
     def probe(channels: Channels):
@@ -115,16 +123,48 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
         probes = [probe(channels) for _ in range(job["probe_fits"])]
     finally:
         channels.destroy()
-    return {"alone": alone, "beside": statistics.median(sum(passes) for passes in beside),
-            "forward_alone": statistics.median(f for f, _ in passes_alone),
-            "forward_beside": statistics.median(f for f, _ in beside),
-            "backward_alone": statistics.median(b for _, b in passes_alone),
-            "backward_beside": statistics.median(b for _, b in beside),
+    medians = {f"{key}_{when}": statistics.median(getattr(one, key) for one in passes)
+               for when, passes in (("alone", passes_alone), ("beside", beside))
+               for key in ("forward", "backward", "cpu", "off_core", "preemptions")}
+    return {"alone": alone, "beside": statistics.median(one.seconds for one in beside), **medians,
             "transfer_slowdown": statistics.median(transfer_slowdowns),
             "ops": ops, "op_seconds": slowest[1].item(),
             "probe_sigma": [probe.compute_slowdown for probe in probes],
             "probe_tau": [probe.transfer_slowdown for probe in probes],
             "probe_host": [probe.host for probe in probes]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One forward and backward pass: each one's seconds, the computing thread's CPU seconds over
+    both, and how often the thread was preempted."""
+    forward: float
+    backward: float
+    cpu: float
+    preemptions: int
+
+    @property
+    def seconds(self) -> float:
+        return self.forward + self.backward
+
+    @property
+    def off_core(self) -> float:
+        """The pass's seconds without the computing thread on a core."""
+        return self.seconds - self.cpu
+
+
+def preemptions() -> int:
+    """The calling thread's involuntary context switches so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
+
+def where_slowed(report: dict) -> str:
+    """A rank's extra time per pass beside traffic, on the core (more CPU time for the same pass)
+    and off it, with its preemptions per pass alone → beside (medians over the passes)."""
+    on_core = report["cpu_beside"] - report["cpu_alone"]
+    off_core = report["off_core_beside"] - report["off_core_alone"]
+    return (f"{on_core * 1e3:+.1f} / {off_core * 1e3:+.1f} | "
+            f"{report['preemptions_alone']:.0f} → {report['preemptions_beside']:.0f}")
 
 
 def fits(values: list[float], unit: str = "×") -> str:
@@ -148,8 +188,9 @@ def run(args) -> list[str]:
                     passes = [max(r[f"{kind}_beside"] for r in reports) / max(r[f"{kind}_alone"] for r in reports)
                               for kind in ("forward", "backward")]
                     tau = statistics.median(r["transfer_slowdown"] for r in reports)
+                    slowest = max(reports, key=lambda r: r["beside"])
                     rows.append(f"| {model} | {world_size} | {rate} | {alone * 1e3:.1f} | {beside * 1e3:.1f} | "
-                                f"{beside / alone:.2f}× | {passes[0]:.2f}× | {passes[1]:.2f}× | "
+                                f"{beside / alone:.2f}× | {passes[0]:.2f}× | {passes[1]:.2f}× | {where_slowed(slowest)} | "
                                 f"{fits(reports[0]['probe_sigma'])} | {tau:.2f}× | {fits(reports[0]['probe_tau'])} | "
                                 f"{fits([host * 1e3 for host in reports[0]['probe_host']], ' ms')} | "
                                 f"{reports[0]['ops']} × {reports[0]['op_seconds'] * 1e3:.1f} |")
@@ -190,11 +231,15 @@ def main(argv=None) -> None:
              f" (host probe: {host_probe_options(args) or 'as wrap fits it'}).", "",
              "One forward and backward pass alone, and beside back-to-back all-reduces of the model's gradient size "
              "that outlast it; forward, backward: the slowdown of each pass apart; τ: the traffic's slowdown beside "
-             "the pass; probe σ, probe τ: the slowdowns `cost=\"measure\"` measures with matrix products (the "
+             "the pass; extra ms on / off core: the slowest rank's (beside − alone) split into its computing thread's "
+             "extra CPU time and the rest (preempted, waiting for a core; medians of each part, which need not add up to "
+             "the whole pass's), with its preemptions per pass alone → beside; "
+             "probe σ, probe τ: the slowdowns `cost=\"measure\"` measures with matrix products (the "
              "simulator's model); probe host per op: the computing thread's time per op it measures.", "",
              "| model | ranks | NIC | compute alone ms | beside traffic ms | slowdown | forward | backward |"
-             " probe σ | τ | probe τ | probe host per op | traffic: ops × ms alone |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+             " extra ms on / off core | preemptions per pass | probe σ | τ | probe τ | probe host per op |"
+             " traffic: ops × ms alone |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 

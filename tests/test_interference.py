@@ -1,7 +1,7 @@
 """The interference benchmark's rank side on local gloo ranks (no shaped links needed)."""
 import pytest
 
-from benchmarks.interference import TRAFFIC_MARGIN, fits, main, rank_main
+from benchmarks.interference import TRAFFIC_MARGIN, fits, main, rank_main, where_slowed
 from gradsync.launch import run_local
 
 
@@ -21,6 +21,17 @@ def test_every_rank_launches_the_same_traffic_and_it_outlasts_the_compute():
         assert reports[0][key] == reports[1][key] and len(reports[0][key]) == 2
     assert min(reports[0]["probe_sigma"] + reports[0]["probe_tau"]) >= 1 and min(reports[0]["probe_host"]) >= 0
     assert all(1 <= r["transfer_slowdown"] <= 20 for r in reports)
+    for r in reports:  # one thread's CPU time cannot exceed the pass's wall time: on and off core are both >= 0
+        for when in ("alone", "beside"):
+            assert 0 < r[f"cpu_{when}"] and r[f"off_core_{when}"] >= -1e-4
+            assert r[f"cpu_{when}"] + r[f"off_core_{when}"] == pytest.approx(r[when])
+            assert r[f"preemptions_{when}"] >= 0
+
+
+def test_the_slowdown_splits_into_more_cpu_time_and_time_off_the_core():
+    report = {"cpu_alone": 0.090, "cpu_beside": 0.100, "off_core_alone": 0.002, "off_core_beside": 0.017,
+              "preemptions_alone": 6, "preemptions_beside": 64}
+    assert where_slowed(report) == "+10.0 / +15.0 | 6 → 64"
 
 
 def test_probe_fits_show_their_median_and_range():
