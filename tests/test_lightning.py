@@ -8,6 +8,7 @@ this file as a script (`python tests/test_lightning.py DIR`, the user path of
 """
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -473,5 +474,32 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
         assert 0 < float(row["gradsync/codec_time"]) < float(row["gradsync/iteration_time"])
 
 
+GPU_RUNS = ("acp_sgd", "us_byte", "ddp")
+
+
+def gpu_runs(directory: Path) -> None:
+    """Run as a script on a CUDA machine: the registered names with `accelerator="gpu", devices=1`,
+    Lightning initialising the process group (NCCL) itself; each run's record as JSON."""
+    runs = {name: fit(name, directory, accelerator="gpu", devices=1) for name in GPU_RUNS}
+    (directory / "gpu_runs.json").write_text(json.dumps(runs))
+
+
+@pytest.mark.gpu
+def test_registered_names_train_on_one_gpu(tmp_path, record_property):
+    done = subprocess.run([sys.executable, __file__, "--gpu", str(tmp_path)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads((tmp_path / "gpu_runs.json").read_text())
+    record_property("us_byte_from_ddp", distance(runs["us_byte"], runs["ddp"]))
+    assert distance(runs["us_byte"], runs["ddp"]) < TOLERANCE
+    acp = runs["acp_sgd"]
+    assert [layout for layout, _ in acp["ops"]] == ["P", "Q"] * (STEPS // 2)  # Algorithm 2 alternates from P
+    assert {f"gradsync/{name}" for name in STATS} <= set(acp["progress_bar"])
+    assert distance(acp, initial()) > TOLERANCE and all(map(math.isfinite, acp["params"]))
+
+
 if __name__ == "__main__":
-    csv_logged_run(Path(sys.argv[1]))
+    if sys.argv[1] == "--gpu":
+        gpu_runs(Path(sys.argv[2]))
+    else:
+        csv_logged_run(Path(sys.argv[1]))

@@ -602,33 +602,6 @@ def test_transports_and_codecs_the_runtime_does_not_run_are_refused(field, value
         _executor_for(model, plan)
 
 
-def nccl_single_rank(rank, world_size):
-    torch.cuda.set_device(0)
-    torch.manual_seed(0)
-    model = TiedNet().cuda()
-    reference = copy.deepcopy(model)
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="us_byte",
-                                     partition_bytes=256, warmup_iterations=1, measure_iterations=1)
-    tokens, targets = (t.cuda() for t in batch(0, 0))
-    for _ in range(3):
-        optimizer.zero_grad()
-        F.cross_entropy(model(tokens), targets).backward()
-        optimizer.step()
-    optimizer.synchronize()
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(3):
-        ref_optimizer.zero_grad()
-        F.cross_entropy(reference(tokens), targets).backward()
-        ref_optimizer.step()
-    attached(model).detach()
-    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_nccl_training_matches_single_process():
-    assert run_local(nccl_single_rank, 1, backend="nccl")[0] < 1e-5
-
-
 def measured_with_planner_options(rank, world_size):
     torch.manual_seed(0)
     model = TiedNet()

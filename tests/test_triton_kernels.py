@@ -19,7 +19,6 @@ import gradsync.triton_kernels as tk
 from gradsync.errors import ConfigError
 from gradsync.triton_kernels import reference
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
 
 
@@ -339,7 +338,7 @@ def test_dispatcher_uses_the_torch_reference_on_cpu(name, monkeypatch):
     assert calls == [function]
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_reference_on_gpu(name):
     function, args, kwargs = _to(_copy(CASES[name]), "cuda")
@@ -349,7 +348,7 @@ def test_kernel_matches_reference_on_gpu(name):
     _assert_matches((result, (args, kwargs)), _reference_call(name, "cuda"))
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape, rank", [((768, 3072), 4), ((3072, 768), 32), ((30522, 768), 4)])
 def test_error_feedback_update_on_gpu_at_bert_sizes(shape, rank, dtype):
@@ -360,7 +359,7 @@ def test_error_feedback_update_on_gpu_at_bert_sizes(shape, rank, dtype):
     torch.testing.assert_close(tk.error_feedback_update(M, E, P, Q), expected, **TOLERANCE[dtype])
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_topk_by_threshold_on_gpu_matches_torch_topk():
     x = torch.randn(2_000_000, generator=torch.Generator().manual_seed(8)).cuda()
     values, indices = tk.topk_by_threshold(x, 2000)
