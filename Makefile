@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -38,6 +38,20 @@ bench: install
 	$(PY) -m benchmarks.head_to_head --topology 2x2-pcie --inter-gbps 1 --out benchmarks/results/head_to_head_topology.md
 	$(PY) -m benchmarks.head_to_head
 	$(PY) -m benchmarks.interference > /dev/null && echo "wrote benchmarks/results/interference.md"
+
+# The GPU acceptance run (benchmarks/gpu_check): on a CUDA machine with its own python3 and no network
+# it installs gradsync offline and writes its report into GPU_CHECK_DIR (default gpu-check-report/).
+# DRY_RUN=1 runs the same driver here, in the virtual environment, with every GPU step only prepared.
+gpu-check: $(if $(DRY_RUN),install)
+	$(if $(DRY_RUN),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run)
+
+# Wheels the GPU machine lacks (Python 3.12, x86-64), fetched here into .gpu-wheels/ to travel with the
+# repository: gradsync's imports need highspy.
+GPU_WHEELS ?= highspy==1.16.0
+gpu-wheels: install
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .gpu-wheels $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

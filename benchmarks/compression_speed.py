@@ -52,19 +52,27 @@ WHERE_THE_TIME_GOES = (
 REPORT = Path(__file__).parent / "results" / "compression_speed.md"
 
 
+def synchronized_clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def step_seconds(codec, parameters: dict, gradients: dict, step: int) -> float:
     """One step of every round of `codec` over `parameters` on one worker; the gradients are reset
     first, outside the timing (finish overwrites them)."""
     for name, parameter in parameters.items():
         parameter.grad.copy_(gradients[name])
-    started = time.perf_counter()
+    device = next(iter(gradients.values())).device
+    started = synchronized_clock(device)
     for _ in codec.rounds(step):
         for name, parameter in parameters.items():
             wire = codec.encode(name, parameter.grad, step)
             target = codec.reduced_target(name, parameter, step)
             target.copy_(wire if codec.collective == "allreduce" else wire.unsqueeze(0))
             codec.finish(name, parameter, step)
-    return time.perf_counter() - started
+    return synchronized_clock(device) - started
 
 
 def prepared(codec_name: str, options: dict, gradients: dict) -> tuple:
@@ -77,14 +85,15 @@ def prepared(codec_name: str, options: dict, gradients: dict) -> tuple:
     return codec, parameters
 
 
-def median_steps(shapes: list[tuple[int, int]], repeats: int) -> dict[str, float]:
-    """Per codec: the median over `repeats` pairs of consecutive steps of the mean step time, after
-    one warm-up pair. The codecs take turns within each repeat, so that load from other processes
-    falls on all of them alike."""
+def median_steps(shapes: list[tuple[int, int]], repeats: int, device: str = "cpu",
+                 codecs: dict = CODECS) -> dict[str, float]:
+    """Per codec of `codecs` (label: (name, options)): the median over `repeats` pairs of
+    consecutive steps of the mean step time on `device`, after one warm-up pair. The codecs take
+    turns within each repeat, so that load from other processes falls on all of them alike."""
     generator = torch.Generator().manual_seed(0)
-    gradients = {f"w{i}": torch.randn(shape, generator=generator) for i, shape in enumerate(shapes)}
-    codecs = {label: prepared(name, options, gradients) for label, (name, options) in CODECS.items()}
-    samples: dict[str, list[float]] = {label: [] for label in CODECS}
+    gradients = {f"w{i}": torch.randn(shape, generator=generator).to(device) for i, shape in enumerate(shapes)}
+    codecs = {label: prepared(name, options, gradients) for label, (name, options) in codecs.items()}
+    samples: dict[str, list[float]] = {label: [] for label in codecs}
     for pair in range(repeats + 1):
         for label, (codec, parameters) in codecs.items():
             seconds = sum(step_seconds(codec, parameters, gradients, 2 * pair + half) for half in (0, 1)) / 2
