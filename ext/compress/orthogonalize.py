@@ -23,8 +23,8 @@ def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     if rank > 2 and matrix.dtype in (torch.float32, torch.float64):
         q, r = torch.linalg.qr(matrix, mode="reduced")
         # QR's sign convention may flip columns; fix them so the result is the Gram–Schmidt one
-        signs = torch.sign(torch.diagonal(r))
-        signs[signs == 0] = 1
+        diagonal = torch.diagonal(r)
+        signs = torch.where(diagonal < 0, -1.0, 1.0).to(diagonal.dtype)  # no masked write: no device sync
         return column_major(q).mul_(signs)
     return gram_schmidt(matrix, eps)
 
