@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gradsync import CostModel, compress
-from gradsync.compress.planning import predict_cycle
+from gradsync import CostModel, compress, planners
+from gradsync.planning import predict_cycle
 from gradsync.profile import zoo
 from gradsync.profile.devices import resolve_device
 
@@ -44,7 +44,7 @@ def iteration_times(model: str, cost: CostModel) -> dict[str, float]:
     for method, (name, codec_options, planner_options) in setups.items():
         codec = compress.get(name, **codec_options)
         codec.setup(profile.tensor_map(), 32, seed=0)
-        times[method] = predict_cycle(profile, cost, "ddp", codec, planner_options, flops)[1]
+        times[method] = predict_cycle(profile, cost, planners.bind("ddp", **planner_options), codec, flops)[1]
     return times
 
 

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from gradsync.compress.planning import LayoutPlan, at_compute_scale, predict_steady
+from gradsync.planning import LayoutPlan, at_compute_scale, predict_steady
 from gradsync.cost import CostModel
 from gradsync.plan import Plan
 from gradsync.profile import ModelProfile

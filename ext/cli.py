@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from . import compress, planners
-from .compress.planning import LayoutPlan, predict_cycle
+from .planning import LayoutPlan, predict_cycle
 from .cost import PRESETS, CostModel, check_workers
 from .errors import ConfigError
 from .profile import ModelProfile, zoo, zoo_names
@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
+    commands.add_parser("list", help="list the schedulers and compressors (built-in and installed) and their options")
     listing = commands.add_parser("zoo", help="list the model zoo")
     listing.add_argument("--json", action="store_true")
 
@@ -123,17 +124,23 @@ class Prediction:
         }
 
 
-def _predict(args, profile: ModelProfile, cost: CostModel, scheduler: str, options: dict) -> Prediction:
+def _predict(args, profile: ModelProfile, cost: CostModel, planner: planners.BoundPlanner) -> Prediction:
     codec = compress.get(args.compressor, **dict(args.compressor_option))
     codec.setup(profile.tensor_map(), 2 if args.workers is None else args.workers, seed=0)
     flops = None
     if not args.profile:
         device = resolve_device(args.device)
         flops = device.peak_flops * device.efficiency
-    layout_plans, step_time = predict_cycle(profile, cost, scheduler, codec, options, flops)
+    layout_plans, step_time = predict_cycle(profile, cost, planner, codec, flops)
     cycle = codec.steady_rounds()
     allreduces = sum(len(layout_plans[layout].plan.ops) for rounds in cycle for layout in rounds) / len(cycle)
-    return Prediction(scheduler, layout_plans, step_time, allreduces, profile.forward_time + profile.backward_time)
+    return Prediction(planner.name, layout_plans, step_time, allreduces, profile.forward_time + profile.backward_time)
+
+
+def _run_list(args) -> None:
+    from .listing import TABLES
+
+    print("\n\n".join(table() for table in TABLES.values()))
 
 
 def _run_zoo(args) -> None:
@@ -152,7 +159,7 @@ def _run_zoo(args) -> None:
 
 def _run_plan(args) -> None:
     profile, cost = _profile(args), _cost(args)
-    prediction = _predict(args, profile, cost, args.scheduler, dict(args.option))
+    prediction = _predict(args, profile, cost, planners.bind(args.scheduler, **dict(args.option)))
     layout_plans = prediction.layout_plans
     if args.save:
         with open(args.save, "w") as handle:
@@ -190,11 +197,11 @@ def _run_simulate(args) -> None:
     names = planners.names() if args.schedulers == "all" else [n.strip() for n in args.schedulers.split(",")]
     rows = []
     for name in names:
-        prediction = _predict(args, profile, cost, name, {})
+        prediction = _predict(args, profile, cost, planners.bind(name))
         rows.append(prediction.summary())
-        if name == "auto":
-            chosen = next(iter(prediction.layout_plans.values())).plan.options["chosen"]
-            rows[-1]["scheduler"] = f"auto ({chosen})"
+        chosen = planners.chosen_planner(next(iter(prediction.layout_plans.values())).plan)
+        if chosen != name:
+            rows[-1]["scheduler"] = f"{name} ({chosen})"
     baseline = simulate(planners.get("wfbp")(profile, cost), profile, cost).iteration_time * 1e3
     for row in rows:
         row["speedup_over_wfbp"] = baseline / row["iteration_time_ms"]
@@ -219,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     warnings.showwarning = _warn
     try:
-        {"zoo": _run_zoo, "plan": _run_plan, "simulate": _run_simulate, "topo": run_topo}[args.command](args)
+        {"list": _run_list, "zoo": _run_zoo, "plan": _run_plan, "simulate": _run_simulate,
+         "topo": run_topo}[args.command](args)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from omegaconf import II, MISSING, DictConfig, OmegaConf
 from .. import compress, planners
 from ..errors import ConfigError, unknown_name
 from ..runtime.arguments import check_wrap_arguments
+from ..strategies.strategy import FOREST, codec_entry, planner_entry
 from ..topology.allreduce import check_group_size
 from . import data, models
 
@@ -106,6 +107,35 @@ class Config:
 
 
 ConfigStore.instance().store(name="gradsync_schema", node=Config)
+
+
+def codec_config(codec: compress.CodecSpec) -> dict:
+    """``strategy.compressor`` for `codec`: its type and every option with its default (each can be
+    overridden without Hydra's ``+``)."""
+    return {"type": codec.name, **codec.defaults()}
+
+
+def store_strategy(name: str, codec: compress.CodecSpec | None = None) -> None:
+    """The strategy config group's option `name`: a strategy registered with Lightning (a
+    compressor's with its codec's config)."""
+    compressor = None if codec is None else codec_config(codec)
+    ConfigStore.instance().store(group="strategy", name=name, node=StrategyConfig(name=name, compressor=compressor))
+
+
+def store_compressor(codec: compress.CodecSpec) -> None:
+    """The option `codec.name` of the group ``strategy/compressor``: a compressor for any strategy
+    (``strategy=us_byte +strategy/compressor=acp_sgd``)."""
+    ConfigStore.instance().store(group="strategy/compressor", name=codec.name, node=codec_config(codec),
+                                 package="strategy.compressor")
+
+
+# the strategy group (Lightning's own ddp, then every gradsync strategy) and the compressor group,
+# now and as planners and compressors are registered
+ConfigStore.instance().store(group="strategy", name="ddp", node=StrategyConfig(name="ddp"))
+store_strategy(FOREST[0])
+planners.registry.subscribe(lambda spec: store_strategy(planner_entry(spec)[0]))
+compress.registry.subscribe(lambda spec: codec_entry(spec) and store_strategy(codec_entry(spec)[0], spec))
+compress.registry.subscribe(lambda spec: spec.strategy and store_compressor(spec))
 
 
 def strategy_names() -> list[str]:

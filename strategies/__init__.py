@@ -1,16 +1,17 @@
 """Lightning strategies that run training with gradsync's runtime (registered on import).
 
 ``import gradsync`` registers, in the StrategyRegistry of each installed Lightning package
-(``pytorch_lightning`` and ``lightning.pytorch``), one name per scheduler (wfbp, ddp_buckets,
-mg_wfbp, optimal_merge, asc_wfbp, bytescheduler, us_byte, gradsync_auto) and per compressor
-(acp_sgd, powersgd, signsgd, topk; scheduled by optimal_merge) and per transport (forest: the auto
-plan over reduce/broadcast trees packed on the topology), so that
-``Trainer(strategy="acp_sgd", accelerator="cpu", devices=2)`` works. For other options, pass
-``GradSyncStrategy(scheduler=..., compressor=..., **gradsync.wrap options)``.
+(``pytorch_lightning`` and ``lightning.pytorch``), one name per registered planner (its
+``PlannerSpec.strategy_name``: wfbp, ddp_buckets, ..., gradsync_auto), per compressor (acp_sgd,
+powersgd, signsgd, topk; scheduled by optimal_merge) and per transport (forest: the auto plan over
+reduce/broadcast trees packed on the topology), and one for every planner or compressor registered
+later, so that ``Trainer(strategy="acp_sgd", accelerator="cpu", devices=2)`` works. For other
+options, pass ``GradSyncStrategy(scheduler=..., compressor=..., **gradsync.wrap options)``.
+`strategy_entries()` lists the names.
 """
 from importlib.util import find_spec
 
-from .strategy import COMPRESSORS, SCHEDULERS, TRANSPORTS, GradSyncOverrides
+from .strategy import GradSyncOverrides, strategy_entries
 
 
 def _importable(module: str) -> bool:
@@ -20,7 +21,7 @@ def _importable(module: str) -> bool:
         return False
 
 
-__all__ = ["COMPRESSORS", "SCHEDULERS", "TRANSPORTS"]
+__all__ = ["strategy_entries"]
 
 if _importable("pytorch_lightning"):
     from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import compress, planners
 from ..errors import ConfigError, unknown_name
 from ..runtime import attached, no_sync, wrap
 from ..runtime.arguments import check_wrap_arguments
@@ -168,16 +169,22 @@ class GradSyncOverrides:
     # -- registration ------------------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        """Register every name of SCHEDULERS, COMPRESSORS and TRANSPORTS with `cls` (re-registering
-        replaces)."""
-        for name, (scheduler, description) in SCHEDULERS.items():
-            strategy_registry.register(name, cls, description=description, override=True, scheduler=scheduler)
-        for name, (scheduler, description) in TRANSPORTS.items():
-            strategy_registry.register(name, cls, description=description, override=True, scheduler=scheduler,
-                                       transport=name)
-        for name, description in COMPRESSORS.items():
-            strategy_registry.register(name, cls, description=description, override=True,
-                                       scheduler=COMPRESSOR_SCHEDULER, compressor=name)
+        """Register with `cls` a strategy name for every planner and compressor registered now or
+        later (`strategy_entries`), and the forest transport; re-registering replaces."""
+
+        def add(entry) -> None:
+            if entry is None:
+                return
+            name, init_params, description = entry
+            taken = strategy_registry[name] if name in strategy_registry else None
+            if taken is not None and not issubclass(taken["strategy"], GradSyncOverrides):
+                raise ConfigError(f"strategy name {name!r} is Lightning's own {taken['strategy'].__name__}: give the "
+                                  "planner another strategy name (PlannerSpec(strategy=...))")
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+        add(FOREST)
+        planners.registry.subscribe(lambda spec: add(planner_entry(spec)))
+        compress.registry.subscribe(lambda spec: add(codec_entry(spec)))
 
 
 def check_lightning_options(options: dict) -> None:
@@ -209,29 +216,28 @@ def _overrides(instance, hook: str) -> bool:
     return is_overridden(hook, instance, declaring)
 
 
-# strategy name -> (gradsync scheduler, description)
-SCHEDULERS = {
-    "wfbp": ("wfbp", "gradsync: wait-free backpropagation, one all-reduce per gradient as soon as it is ready"),
-    "ddp_buckets": ("ddp", "gradsync: PyTorch DDP's fixed-size gradient buckets, run by gradsync's runtime"),
-    "mg_wfbp": ("mg_wfbp", "gradsync: MG-WFBP, merge layers' gradients when all-reduce start-up dominates"),
-    "optimal_merge": ("optimal_merge", "gradsync: the exact optimum of MG-WFBP's merging problem"),
-    "asc_wfbp": ("asc_wfbp", "gradsync: ASC-WFBP, normal, merged or simultaneous all-reduce per layer"),
-    "bytescheduler": ("bytescheduler", "gradsync: ByteScheduler, fixed-size partitions sent input side first"),
-    "us_byte": ("us_byte", "gradsync: US-Byte, unequal-sized blocks overlapping backward and the next forward"),
-    "gradsync_auto": ("auto", "gradsync: the scheduler whose simulated iteration is fastest for this model"),
-}
-
 # compressor strategies: the compressor of that name, scheduled by COMPRESSOR_SCHEDULER
 COMPRESSOR_SCHEDULER = "optimal_merge"
-COMPRESSORS = {
-    "acp_sgd": "gradsync: ACP-SGD, alternate low-rank P/Q compression with error feedback and reuse",
-    "powersgd": "gradsync: Power-SGD low-rank compression with error feedback",
-    "signsgd": "gradsync: EF-SignSGD, one bit per element with a scale and error feedback",
-    "topk": "gradsync: top-k sparsification with error feedback",
-}
+# the transport strategy: the `auto` plan's ops carried by reduce/broadcast trees (topology: the
+# complete graph of the ranks unless the strategy is built with ``topology=``)
+FOREST = ("forest", {"scheduler": "auto", "transport": "forest"},
+          "gradsync: reduce/broadcast trees packed on the network topology (forest packing)")
 
-# transport strategies: the `auto` plan's ops carried by that transport (topology: the complete graph
-# of the ranks unless the strategy is built with ``topology=``)
-TRANSPORTS = {
-    "forest": ("auto", "gradsync: reduce/broadcast trees packed on the network topology (forest packing)"),
-}
+
+def planner_entry(spec: planners.PlannerSpec) -> tuple[str, dict, str]:
+    """(strategy name, init params, description) of a planner's strategy."""
+    return spec.strategy_name, {"scheduler": spec.name}, f"gradsync: {spec.description}"
+
+
+def codec_entry(spec: compress.CodecSpec) -> tuple[str, dict, str] | None:
+    """(strategy name, init params, description) of a compressor's strategy (None: it has none)."""
+    if not spec.strategy:
+        return None
+    return spec.name, {"scheduler": COMPRESSOR_SCHEDULER, "compressor": spec.name}, f"gradsync: {spec.description}"
+
+
+def strategy_entries() -> dict[str, tuple[dict, str]]:
+    """Every strategy name gradsync registers with Lightning: its init params and description."""
+    entries = [planner_entry(spec) for spec in planners.registry]
+    entries += [entry for entry in map(codec_entry, compress.registry) if entry is not None]
+    return {name: (init_params, description) for name, init_params, description in [*entries, FOREST]}

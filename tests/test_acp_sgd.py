@@ -416,16 +416,14 @@ def test_a_non_finite_step_let_through_leaves_the_next_steps_finite(name):
 
 
 def test_fusion_thresholds_shrink_by_the_compression_rate():
-    from gradsync.compress.planning import scale_byte_options
-    from gradsync.planners import get
+    from gradsync.planners import bind
 
-    ddp, wfbp = get("ddp"), get("wfbp")
     mib = 1 << 20
-    assert scale_byte_options(ddp, {}, 0.01) == {"bucket_cap_bytes": int(25 * mib * 0.01),
-                                                 "first_bucket_bytes": int(mib * 0.01)}
-    assert scale_byte_options(ddp, {"bucket_cap_bytes": 1000}, 0.5)["bucket_cap_bytes"] == 500
-    assert scale_byte_options(ddp, {"bucket_cap_bytes": 1000}, 1.0) == {"bucket_cap_bytes": 1000}
-    assert scale_byte_options(wfbp, {}, 0.01) == {}
+    assert bind("ddp").scaled(0.01).options == {"bucket_cap_bytes": int(25 * mib * 0.01),
+                                                "first_bucket_bytes": int(mib * 0.01)}
+    assert bind("ddp", bucket_cap_bytes=1000).scaled(0.5).options["bucket_cap_bytes"] == 500
+    assert bind("ddp", bucket_cap_bytes=1000).scaled(1.0).options == {"bucket_cap_bytes": 1000}
+    assert bind("wfbp").scaled(0.01).options == {}
 
 
 @pytest.mark.parametrize("step", [0, 1])  # a P step, then a Q step

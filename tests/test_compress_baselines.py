@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync import ConfigError, compress
-from gradsync.compress.planning import plan_layouts, step_prediction
+from gradsync import ConfigError, compress, planners
+from gradsync.planning import plan_layouts, step_prediction
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.compress.signsgd import SignSGD
 from gradsync.compress.topk import TopK, index_words, indices_from_words
@@ -131,7 +131,7 @@ def test_powersgd_prediction_counts_the_work_between_its_rounds():
     codec = PowerSGD(rank=4)
     codec.setup({spec.name: spec}, 2, seed=0)
     flops = 1e9
-    plans = plan_layouts(profile, COST, "wfbp", codec, {}, flops)
+    plans = plan_layouts(profile, COST, planners.bind("wfbp"), codec, flops)
     assert plans["Q"].codec_seconds == codec.compute_seconds(spec, "Q", flops)
     between = codec.compute_seconds(spec, "P", flops)[1] + codec.compute_seconds(spec, "Q", flops)[0]
     assert between == pytest.approx((2 * 256 * 4 * 4 + 2 * 2 * 256 * 128 * 4) / flops)

@@ -10,8 +10,8 @@ from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAI
                                      Setting, cost_line, default_rows, median_cost, paired_ratio, round_order,
                                      setting_table, steal_note, stolen_cpu_seconds, summarise, targets)
 from benchmarks.simulator_replay import replay_record, replayed_prediction
-from gradsync import compress
-from gradsync.compress.planning import predict_cycle
+from gradsync import compress, planners
+from gradsync.planning import predict_cycle
 from gradsync.cost import CostModel
 from gradsync.profile import zoo
 
@@ -172,7 +172,7 @@ def test_rows_planned_with_the_jobs_cost_are_predicted_with_the_median_of_its_fi
     profile = zoo("resnet50")
     codec = compress.build(None)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 2, seed=0)
-    plans, at_first_fit = predict_cycle(profile, CostModel.from_dict(first), "wfbp", codec, {})
+    plans, at_first_fit = predict_cycle(profile, CostModel.from_dict(first), planners.bind("wfbp"), codec)
     record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), CostModel.from_dict(first))))
     wfbp, forest = ROWS["wfbp"].label, "gradsync forest"
     report = rank_report({COMPUTE_ONLY: [1.0] * 3, DDP: [3.0] * 3})

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync import compress, planners
-from gradsync.compress.planning import plan_alternatives, predict_cycle, steady_layouts
+from gradsync.planning import plan_alternatives, predict_cycle, steady_layouts
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.profile import zoo
@@ -38,13 +38,13 @@ def test_trial_order_alternates_direction(count, rounds, order):
 
 
 class ScriptedSync:
-    """The parts of a GradSync that PlanTrials uses; a plan is named by its options' first
-    candidate (auto's own choice, options {}, is "auto's")."""
+    """The parts of a GradSync that PlanTrials uses; a plan is named by its planner's first
+    candidate (auto's own choice, without candidates, is "auto's")."""
 
     def __init__(self):
         self.layout = SimpleNamespace(device=torch.device("cpu"))
         self.codec = compress.build(None)
-        self.planner_options = {}
+        self.planner = planners.bind("auto")
         self.executor = SimpleNamespace(skip_step=False)
         self.channels = SimpleNamespace(process_group=None)
         self.installed: list[str] = []
@@ -52,10 +52,11 @@ class ScriptedSync:
         self.measurement = None
         self.trial_times = None
 
-    def install_plan(self, profile, cost, options=None):
-        name = options.get("candidates", ("auto's",))[0]
+    def install_plan(self, profile, cost, planner=None):
+        name = planner.options.get("candidates", ("auto's",))[0]
         self.installed.append(name)
-        self.plans = {layout: SimpleNamespace(options={"chosen": name}) for layout in steady_layouts(self.codec)}
+        self.plans = {layout: SimpleNamespace(planner="auto", options={"chosen": name})
+                      for layout in steady_layouts(self.codec)}
 
 
 def trials_under_drift(rank, world_size, seconds: dict, drift: float):
@@ -63,7 +64,8 @@ def trials_under_drift(rank, world_size, seconds: dict, drift: float):
     every iteration (the host slowing down steadily); what was installed and timed."""
     sync, clock = ScriptedSync(), {"now": 0.0}
     measure._now = lambda device: clock["now"]
-    alternatives = [{}] + [{"candidates": (name,)} for name in list(seconds)[1:]]
+    restricted = [planners.bind("auto", candidates=(name,)) for name in list(seconds)[1:]]
+    alternatives = [planners.bind("auto"), *restricted]
     sync.measurement = PlanTrials(sync, None, None, alternatives, iterations=2)
     iteration = 0
     while sync.measurement is not None:
@@ -77,11 +79,11 @@ def test_trials_visit_plans_both_ways_so_a_drifting_host_ranks_them_right():
     # Timed one plan after the other (3 iterations each), the slowdown of 0.02 s per iteration
     # would rank auto's choice first (1.04, 1.09, 1.10 s); visited A B C C B A, every plan's
     # samples sit at the same mean time, and C, truly the fastest, is kept.
-    seconds = {"auto's": 1.00, "b": 0.97, "c": 0.90}
+    seconds = {"auto's": 1.00, "wfbp": 0.97, "mg_wfbp": 0.90}
     result = run_local(trials_under_drift, 1, seconds, 0.02, timeout=120)[0]
     # a settling iteration after each switch; the second visit of c follows the first directly
     assert result["iterations"] == 5 + 3 * 2 * 2
-    assert result["installed"] == ["auto's", "b", "c", "b", "auto's", "c"]
+    assert result["installed"] == ["auto's", "wfbp", "mg_wfbp", "wfbp", "auto's", "mg_wfbp"]
     labels = [label for label, _ in result["trials"]]
     assert labels == list(seconds)
     for (label, median), truth in zip(result["trials"], seconds.values()):
@@ -95,21 +97,21 @@ def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor
     cost = CostModel.preset("asc-wfbp-10gbe", 8)
     codec = compress.build(compressor)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
-    alternatives = plan_alternatives(profile, cost, codec, "auto", {}, 4)
-    assert alternatives[0] == {} and len(alternatives) == 4
+    alternatives = plan_alternatives(profile, cost, codec, planners.bind("auto"), 4)
+    assert alternatives[0] == planners.bind("auto") and len(alternatives) == 4
     # brute force: every candidate's predicted cycle and the plans it runs once warmed up (the
     # uncompressed warm-up layout does not make two plans different)
     pool = [name for name in planners.names() if name != "auto"]
     outcomes = {}
     for name in pool:
-        plans, seconds = predict_cycle(profile, cost, "auto", codec, {"candidates": (name,)})
+        plans, seconds = predict_cycle(profile, cost, planners.bind("auto", candidates=(name,)), codec)
         outcomes[name] = (seconds, tuple(plans[layout].plan.hash for layout in steady))
-    plans = predict_cycle(profile, cost, "auto", codec, {})[0]
+    plans = predict_cycle(profile, cost, planners.bind("auto"), codec)[0]
     expected, seen = [], {tuple(plans[layout].plan.hash for layout in steady)}
     for name in sorted(pool, key=lambda n: (outcomes[n][0], n)):
         if outcomes[name][1] not in seen and len(expected) < 3:
             seen.add(outcomes[name][1])
-            expected.append({"candidates": (name,)})
+            expected.append(planners.bind("auto", candidates=(name,)))
     assert alternatives[1:] == expected
 
 

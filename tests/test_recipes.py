@@ -3,11 +3,11 @@
 import csv
 import json
 import sys
-from importlib.resources import files
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
@@ -25,8 +25,9 @@ PLANNERS = {"wfbp": "wfbp", "ddp_buckets": "ddp", "mg_wfbp": "mg_wfbp", "optimal
 
 
 def options(group):
-    return sorted(p.name[:-5] for p in files("gradsync.recipes.conf").joinpath(group).iterdir()
-                  if p.name.endswith(".yaml"))
+    """The group's options as Hydra sees them (package files and the ConfigStore)."""
+    with initialize_config_module("gradsync.recipes.conf", version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
 def composed(*overrides):
@@ -163,7 +164,8 @@ def test_each_strategy_option_builds_its_lightning_strategy():
         assert strategy.gradsync_options.get("transport", "allreduce") == ("forest" if option == "forest" else "allreduce")
     chosen = composed("strategy.compressor.rank=2", "strategy.scheduler=wfbp")
     acp = app.build_strategy(OmegaConf.to_container(chosen, resolve=True))
-    assert acp.compressor == {"type": "acp_sgd", "rank": 2} and acp.scheduler == "wfbp"
+    assert acp.compressor == {"type": "acp_sgd", "rank": 2, "min_compression_rate": 2.0, "start_iter": 0,
+                              "error_feedback": True, "reuse": True, "seed": None} and acp.scheduler == "wfbp"
 
 
 @pytest.mark.parametrize("override", ["+strategy.compressor={type:acp_sgd,rank:2}",
@@ -174,6 +176,18 @@ def test_a_compressor_can_be_added_to_a_scheduler_strategy(override):
     schema.check(cfg)
     strategy = app.build_strategy(OmegaConf.to_container(cfg, resolve=True))
     assert strategy.compressor == {"type": "acp_sgd", "rank": 2} and strategy.scheduler == "us_byte"
+
+
+def test_the_compressor_group_adds_any_compressor_with_its_defaults():
+    from gradsync import compress
+
+    assert options("strategy/compressor") == sorted(spec.name for spec in compress.registry if spec.strategy)
+    cfg = composed("strategy=us_byte", "+strategy/compressor=powersgd", "strategy.compressor.rank=2")
+    schema.check(cfg)
+    strategy = app.build_strategy(OmegaConf.to_container(cfg, resolve=True))
+    assert strategy.compressor == {"type": "powersgd", "rank": 2, "min_compression_rate": 2.0, "start_iter": 0,
+                                   "error_feedback": True, "warm_start": True}
+    assert strategy.scheduler == "us_byte"
 
 
 def test_a_compressor_key_not_in_the_config_needs_hydras_plus():

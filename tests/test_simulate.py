@@ -4,7 +4,7 @@ import pytest
 
 from gradsync import CostModel, Op, Plan, Slice, planners, simulate
 from gradsync.errors import ConfigError
-from gradsync.compress.planning import LayoutPlan, predict_step, step_prediction
+from gradsync.planning import LayoutPlan, predict_step, step_prediction
 from gradsync.plan import FORWARD
 from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
 from gradsync.simulate import contention_slowdown

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from benchmarks.simulator_replay import main, replay, replay_record, replayed_prediction
-from gradsync import compress
-from gradsync.compress.planning import LayoutPlan, predict_cycle, predict_steady
+from gradsync import compress, planners
+from gradsync.planning import LayoutPlan, predict_cycle, predict_steady
 from gradsync.compress.wire import wire_profile
 from gradsync.cost import CostModel
 from gradsync.profile import ModelProfile, zoo
@@ -16,7 +16,7 @@ def stored_row(compressor, cost):
     profile = zoo("resnet50")
     codec = compress.build(compressor)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 4, seed=0)
-    plans, seconds = predict_cycle(profile, cost, "mg_wfbp", codec, {})
+    plans, seconds = predict_cycle(profile, cost, planners.bind("mg_wfbp"), codec)
     record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), cost)))
     return record, seconds
 
@@ -69,7 +69,7 @@ def test_a_record_keeps_each_ranks_profile():
     codec = compress.build(None)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 2, seed=0)
     cost = CostModel(a=1e-3, b=8e-9)
-    plans, _ = predict_cycle(profile, cost, "mg_wfbp", codec, {})
+    plans, _ = predict_cycle(profile, cost, planners.bind("mg_wfbp"), codec)
     record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), cost, ranks)))
     assert [ModelProfile.from_dict(data) for data in record["rank_profiles"]] == ranks
 
@@ -80,7 +80,7 @@ def test_a_record_with_rank_profiles_replays_on_the_times_combined_from_them():
     codec = compress.build(None)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 2, seed=0)
     cost = CostModel(a=1e-3, b=8e-9, compute_slowdown=1.2)
-    plans, seconds = predict_cycle(profile, cost, "mg_wfbp", codec, {})
+    plans, seconds = predict_cycle(profile, cost, planners.bind("mg_wfbp"), codec)
     record = json.loads(json.dumps(replay_record(plans, codec.steady_rounds(), cost, [profile, slower])))
     on_slower = {layout: LayoutPlan(entry.plan, wire_profile(slower, codec, layout)) for layout, entry in plans.items()}
     assert replayed_prediction(record) == pytest.approx(predict_steady(on_slower, codec.steady_rounds(), cost), rel=1e-12)

@@ -1,37 +1,49 @@
-"""Gradient compressors as codecs: what travels per tensor, and how it is encoded and decoded."""
+"""Gradient compressors as codecs: what travels per tensor, and how it is encoded and decoded.
+
+Each compressor is declared once as a CodecSpec (its Codec class, whose constructor's keyword
+arguments are its options, checked there) and registered by name. A separately installed package
+adds one with ``register(CodecSpec(...))`` or an entry point in the group ``gradsync.compressors``
+naming its spec.
+"""
 from __future__ import annotations
 
 from importlib import import_module
 
-from ..errors import ConfigError, unknown_name
+from ..errors import ConfigError
+from ..registry import Registry
 from .codec import Codec
+from .spec import CodecSpec
 from .wire import wire_profile
 
-# name -> "module:class" under gradsync.compress
-_CODECS = {
-    "identity": "codec:Codec",
-    "acp_sgd": "acp_sgd:ACPSGD",
-    "powersgd": "powersgd:PowerSGD",
-    "signsgd": "signsgd:SignSGD",
-    "topk": "topk:TopK",
-}
+# built-in codecs: modules defining SPEC
+BUILTIN_MODULES = ("codec", "acp_sgd", "powersgd", "signsgd", "topk")
+
+
+def _builtins() -> list[CodecSpec]:
+    return [import_module(f"{__name__}.{module}").SPEC for module in BUILTIN_MODULES]
+
+
+registry: Registry[CodecSpec] = Registry("compressor", "gradsync.compressors", _builtins)
+
+
+def register(spec: CodecSpec, replace: bool = False) -> CodecSpec:
+    """Add a compressor (its Lightning strategy, Hydra option and CLI listing follow)."""
+    if not isinstance(spec, CodecSpec) or not (isinstance(spec.codec, type) and issubclass(spec.codec, Codec)):
+        raise ConfigError(f"compress.register takes a CodecSpec of a Codec subclass, got {spec!r}")
+    return registry.register(spec, replace)
 
 
 def names() -> list[str]:
-    return list(_CODECS)
+    return registry.names()
 
 
 def get(name: str | None, **options) -> Codec:
     """The codec `name` built with `options` (None means no compression)."""
-    name = "identity" if name is None else name
-    if not isinstance(name, str) or name not in _CODECS:
-        raise unknown_name("compressor", name, _CODECS)
-    module, cls = _CODECS[name].split(":")
-    codec_class = getattr(import_module(f"{__name__}.{module}"), cls)
+    spec = registry.get(Codec.name if name is None else name)
     try:
-        return codec_class(**options)
+        return spec.codec(**options)
     except TypeError as exc:
-        raise ConfigError(f"compressor {name!r}: {exc}") from exc
+        raise ConfigError(f"compressor {spec.name!r}: {exc}") from exc
 
 
 def build(spec) -> Codec:
@@ -43,12 +55,10 @@ def build(spec) -> Codec:
         options = dict(spec)
         if "type" not in options:
             raise ConfigError(f"'compressor' dict needs a 'type' key (one of: {', '.join(names())})")
-        if not isinstance(options["type"], str):
-            raise unknown_name("compressor", options["type"], _CODECS)
-        return get(options.pop("type"), **options)
+        return get(registry.get(options.pop("type")).name, **options)
     if spec is None or isinstance(spec, str):
         return get(spec)
     raise ConfigError(f"'compressor' must be a name, a dict or a Codec, got {type(spec).__name__}")
 
 
-__all__ = ["Codec", "build", "get", "names", "wire_profile"]
+__all__ = ["Codec", "CodecSpec", "build", "get", "names", "register", "registry", "wire_profile"]

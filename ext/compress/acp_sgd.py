@@ -22,6 +22,7 @@ from .gradients import all_finite, refuse_non_float
 from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, fused_update_available,
                        keep_error, row_blocks, select_matrices, spare_buffer, subtract_low_rank, write_low_rank)
 from .orthogonalize import orthogonalize
+from .spec import CodecSpec
 
 PLAIN, P_STEP, Q_STEP = "plain", "P", "Q"
 SEED_LIMIT = 2**63  # torch.Generator's seeds are 64-bit signed
@@ -269,3 +270,7 @@ def compress_q_with_error(matrix: torch.Tensor, total: torch.Tensor, deferred, q
     for rows, combined in combined_blocks(matrix, total, deferred, out):
         transposed.addmm_(query[rows].T, combined)
     return transposed.T.contiguous()
+
+
+SPEC = CodecSpec(ACPSGD, "ACP-SGD: alternate low-rank P/Q compression with error feedback and reuse",
+                 source="acp-sgd Algorithm 2")

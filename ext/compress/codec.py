@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 
 from ..profile import TensorSpec
+from .spec import CodecSpec
 
 
 class Codec:
@@ -81,3 +82,6 @@ class Codec:
 
     def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
         """Restore what `state_dict` returned; `per_rank` is this rank's part (None if none)."""
+
+
+SPEC = CodecSpec(Codec, "no compression: gradients travel as they are", strategy=False)

@@ -33,6 +33,7 @@ from .gradients import all_finite, refuse_non_float
 from .orthogonalize import orthogonalize
 from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, select_matrices,
                        subtract_low_rank, write_low_rank)
+from .spec import CodecSpec
 
 PLAIN, P_ROUND, Q_ROUND = "plain", "P", "Q"
 
@@ -199,3 +200,7 @@ class PowerSGD(Codec):
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate, "start_iter": self.start_iter,
                 "error_feedback": self.error_feedback, "warm_start": self.warm_start}
+
+
+SPEC = CodecSpec(PowerSGD, "Power-SGD low-rank compression (P then Q every step) with error feedback",
+                 source="acp-sgd Algorithm 1")

@@ -26,6 +26,7 @@ from ..profile import TensorSpec
 from ..triton_kernels import sign_majority_unpack, sign_pack, sign_unpack
 from .gathered import GatheredWithFeedback
 from .gradients import kernel_dtype, kernel_input
+from .spec import CodecSpec
 
 SCALE_BYTES = 4  # the float32 scale travels as 4 uint8
 
@@ -93,3 +94,6 @@ class SignSGD(GatheredWithFeedback):
                 total.add_(sent)
         if total is not gradient:
             gradient.copy_(total)
+
+
+SPEC = CodecSpec(SignSGD, "EF-SignSGD: one bit per element with a scale and error feedback", source="EF-SignSGD")

@@ -28,6 +28,7 @@ from ..profile import TensorSpec
 from ..triton_kernels import topk_by_threshold
 from .gathered import GatheredWithFeedback
 from .gradients import all_finite, kernel_input
+from .spec import CodecSpec
 
 HALF_WORD_BITS = 14  # bits of an index per 2-byte word: every 14-bit pattern is a finite fp16/bf16
 INDEX_WORDS = {2: 2, 4: 1, 8: 1}  # gradient words per index, by bytes per element
@@ -117,3 +118,6 @@ def indices_from_words(words: torch.Tensor) -> torch.Tensor:
         low, high = ints.chunk(2, dim=1)
         return low + (high << HALF_WORD_BITS)
     return ints
+
+
+SPEC = CodecSpec(TopK, "top-k sparsification with error feedback", source="Top-k SGD")

@@ -53,7 +53,9 @@ from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile
 from ..simulate import simulate
-from .options import overlapping, positive_int, reject_unknown
+from ..registry import Option, positive_int
+from . import OVERLAP_FORWARD, PlannerSpec
+from .options import deferred_if
 
 NORMAL = "normal"
 MERGED = "merged"
@@ -176,14 +178,11 @@ def plan_from_schedule(schedule: Schedule, profile: ModelProfile, channels: int)
                 by_size.setdefault(tensor.bytes_per_element, []).append(whole(tensor))
         for slices in by_size.values():
             ops.append(Op(tuple(slices), channel=scheduled.channel, priority=len(ops)))
-    return Plan(tuple(ops), "asc_wfbp", {"channels": channels})
+    return Plan(tuple(ops), options={"channels": channels})
 
 
-def plan(profile: ModelProfile, cost: CostModel, channels: int = 2, overlap_forward: bool = False,
-         **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, channels: int, overlap_forward: bool) -> Plan:
     """The fastest simulated plan of Algorithm 1 over 1..`channels` channels."""
-    reject_unknown("asc_wfbp", options, ("channels", "overlap_forward"))
-    positive_int("asc_wfbp", "channels", channels)
     best, best_time = None, float("inf")
     # L ops at most, so more than L channels are never all busy and change nothing
     for concurrency in range(1, min(channels, len(profile.layers)) + 1):
@@ -191,4 +190,10 @@ def plan(profile: ModelProfile, cost: CostModel, channels: int = 2, overlap_forw
         time = simulate(candidate, profile, cost).iteration_time
         if time < best_time:
             best, best_time = candidate, time
-    return overlapping("asc_wfbp", best, overlap_forward)
+    return deferred_if(best, overlap_forward)
+
+
+SPEC = PlannerSpec(
+    "asc_wfbp", plan, "ASC-WFBP: normal, merged or simultaneous all-reduce per layer",
+    options=(Option("channels", 2, positive_int, "process groups for simultaneous all-reduces"), OVERLAP_FORWARD),
+    source="asc-wfbp Algorithm 1")

@@ -1,28 +1,26 @@
-"""`auto`: simulate every other planner's plan and keep the fastest (DESIGN.md: the simulator is
-the objective of every searching planner)."""
+"""`auto`: simulate every other planner's plan and keep the fastest (the simulator is the
+objective of every searching planner)."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from ..cost import CostModel
-from ..errors import ConfigError, unknown_name
+from ..errors import ConfigError
 from ..plan import Plan
 from ..profile import ModelProfile
+from ..registry import Option, fraction, optional_flag, optional_positive_int
 from ..simulate import simulate
-from .options import positive_int, reject_unknown
-
-DEFAULT_TOLERANCE = 0.02
+from . import PlannerSpec, bind, registry
 
 
-def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | None = None,
-         tolerance: float = DEFAULT_TOLERANCE, channels: int | None = None, overlap_forward: bool | None = False,
-         **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, candidates: tuple[str, ...] | None, tolerance: float,
+         channels: int | None, overlap_forward: bool | None) -> Plan:
     """The candidate plan with the smallest simulated iteration time, where a later candidate
     (the registry lists simpler planners first) replaces the best so far only when it is faster by
     more than `tolerance` of that time: the simulator charges an op's host time only as a mean
     (the cost model's `host`), and not what updates in the forward pass cost the runtime, so a
     smaller predicted gain is not worth a more complex plan.
+    `candidates`: planner names (None: every planner that does not itself choose).
     `channels`: the process groups the runtime has; passed to candidates that take it, and a
     candidate plan needing more is left out.
     `overlap_forward`: passed to the candidates; None: each candidate's plan as made, then the
@@ -30,29 +28,13 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
     also win by `tolerance`. Not the default: on the emulated cluster the deferred plans ran 5.8%
     slower than the same plans waited for at the step (median over 16 pairs) where the simulator
     predicted them about 5% faster (benchmarks/REPRODUCTION.md)."""
-    from . import get, names, option_names
-
-    reject_unknown("auto", options, tuple(option_names("auto")))
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) \
-            or not 0 <= tolerance < 1:
-        raise ConfigError(f"auto: 'tolerance' must be a number in [0, 1), got {tolerance!r}")
-    pool = [name for name in names() if name != "auto"]
-    if candidates is not None:
-        if isinstance(candidates, str) or not isinstance(candidates, Sequence) or not candidates:
-            raise ConfigError(f"auto: 'candidates' must be a non-empty list of planner names, got {candidates!r}")
-        for name in candidates:
-            if name not in pool:
-                raise unknown_name("auto candidate", name, pool)
-    if channels is not None:
-        positive_int("auto", "channels", channels)
-    if overlap_forward is not None and not isinstance(overlap_forward, bool):
-        raise ConfigError(f"auto: 'overlap_forward' must be true, false or null, got {overlap_forward!r}")
+    pool = candidates or [spec.name for spec in registry if not spec.chooses]
     best: tuple[float, Plan] | None = None
-    for name in pool if candidates is None else candidates:
-        fitted = {"channels": channels} if channels is not None and "channels" in option_names(name) else {}
+    for name in pool:
+        fitted = {"channels": channels} if channels is not None and registry.get(name).takes_channels else {}
         if overlap_forward is not None:
             fitted["overlap_forward"] = overlap_forward
-        candidate = get(name)(profile, cost, **fitted)
+        candidate = bind(name, **fitted)(profile, cost)
         if channels is not None and candidate.channels > channels:
             continue
         variants = (candidate,) if overlap_forward is not None else (candidate, candidate.with_deferred_waits())
@@ -63,4 +45,24 @@ def plan(profile: ModelProfile, cost: CostModel, candidates: tuple[str, ...] | N
     if best is None:
         raise ConfigError(f"auto: every candidate plan needs more than {channels} channel(s) (raise 'channels')")
     chosen = best[1]
-    return Plan(chosen.ops, "auto", {"chosen": chosen.planner, **chosen.options})
+    return Plan(chosen.ops, options={"chosen": chosen.planner, **chosen.options})
+
+
+def planner_names(value) -> str | None:
+    """None for a non-empty list of planners that do not choose themselves (or None), else what
+    `candidates` must be."""
+    pool = [spec.name for spec in registry if not spec.chooses]
+    if value is None or (isinstance(value, Sequence) and not isinstance(value, str) and value
+                         and all(name in pool for name in value)):
+        return None
+    return f"null or a non-empty list of planner names (candidate planners: {', '.join(sorted(pool))})"
+
+
+SPEC = PlannerSpec(
+    "auto", plan, "the scheduler whose simulated iteration is fastest for this model",
+    options=(Option("candidates", None, planner_names, "planner names to choose among (null: all)"),
+             Option("tolerance", 0.02, fraction, "how much faster a later candidate must be predicted"),
+             Option("channels", None, optional_positive_int, "process groups the runtime has"),
+             Option("overlap_forward", False, optional_flag,
+                    "passed to the candidates; null: each candidate both ways")),
+    strategy="gradsync_auto", chooses=True)

@@ -18,8 +18,10 @@ from ..cost import CostModel
 from ..plan import BACKWARD, FORWARD, Op, Plan
 from ..profile import ModelProfile
 from ..simulate import InFlight
-from .options import overlapping, positive_int, reject_unknown
-from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
+from ..registry import Option, positive_int
+from . import OVERLAP_FORWARD, PlannerSpec
+from .options import PARTITION_BYTES, deferred_if
+from .partition import GradientGroup, gradient_groups
 
 # Partitions in flight, as credit size 2 in us-byte Fig. 3b and §6.7 (ByteScheduler's own credit
 # counts bytes in flight; with equal partitions that is the same bound).
@@ -48,18 +50,8 @@ class Launch:
     start: float
 
 
-def plan(
-    profile: ModelProfile,
-    cost: CostModel,
-    partition_bytes: int = DEFAULT_PARTITION_BYTES,
-    credit: int = DEFAULT_CREDIT,
-    overlap_forward: bool = False,
-    **options,
-) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, partition_bytes: int, credit: int, overlap_forward: bool) -> Plan:
     """ByteScheduler's launch order as a plan: one op per basic block, channel = credit slot."""
-    reject_unknown("bytescheduler", options, ("partition_bytes", "credit", "overlap_forward"))
-    positive_int("bytescheduler", "partition_bytes", partition_bytes)
-    positive_int("bytescheduler", "credit", credit)
     backward_end = profile.backward_time
     ops = tuple(
         Op(
@@ -70,8 +62,8 @@ def plan(
         )
         for launch in emulate(profile, cost, partition_bytes, credit)
     )
-    blocks = Plan(ops, "bytescheduler", {"partition_bytes": partition_bytes, "credit": credit})
-    return overlapping("bytescheduler", blocks, overlap_forward)
+    blocks = Plan(ops, options={"partition_bytes": partition_bytes, "credit": credit})
+    return deferred_if(blocks, overlap_forward)
 
 
 def blocks_by_priority(profile: ModelProfile, partition_bytes: int) -> list[Block]:
@@ -111,3 +103,10 @@ def emulate(profile: ModelProfile, cost: CostModel, partition_bytes: int, credit
             slots[launches[index].slot] = None
         clock += step
     return launches
+
+
+SPEC = PlannerSpec(
+    "bytescheduler", plan, "ByteScheduler: fixed-size partitions sent input side first, credit-bounded",
+    options=(PARTITION_BYTES, Option("credit", DEFAULT_CREDIT, positive_int, "partitions in flight (one channel each)"),
+             OVERLAP_FORWARD),
+    source="ByteScheduler")

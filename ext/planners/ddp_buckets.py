@@ -9,23 +9,16 @@ from __future__ import annotations
 from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile
-from .options import overlapping, positive_int, reject_unknown
+from ..registry import Option, positive_int
+from . import OVERLAP_FORWARD, PlannerSpec
+from .options import deferred_if
 from .wfbp import backward_order
 
 MIB = 1 << 20
 
 
-def plan(
-    profile: ModelProfile,
-    cost: CostModel,
-    bucket_cap_bytes: int = 25 * MIB,
-    first_bucket_bytes: int = 1 * MIB,
-    overlap_forward: bool = False,
-    **options,
-) -> Plan:
-    reject_unknown("ddp", options, ("bucket_cap_bytes", "first_bucket_bytes", "overlap_forward"))
-    positive_int("ddp", "bucket_cap_bytes", bucket_cap_bytes)
-    positive_int("ddp", "first_bucket_bytes", first_bucket_bytes)
+def plan(profile: ModelProfile, cost: CostModel, *, bucket_cap_bytes: int, first_bucket_bytes: int,
+         overlap_forward: bool) -> Plan:
     open_buckets: dict[int, list] = {}  # element size -> tensors of the bucket being filled
     filled: dict[int, int] = {}
     closed_sizes: set[int] = set()  # element sizes whose first bucket is closed
@@ -46,5 +39,13 @@ def plan(
             close(size)
     for size in list(open_buckets):
         close(size)
-    buckets = Plan(tuple(ops), "ddp", {"bucket_cap_bytes": bucket_cap_bytes, "first_bucket_bytes": first_bucket_bytes})
-    return overlapping("ddp", buckets, overlap_forward)
+    buckets = Plan(tuple(ops), options={"bucket_cap_bytes": bucket_cap_bytes, "first_bucket_bytes": first_bucket_bytes})
+    return deferred_if(buckets, overlap_forward)
+
+
+SPEC = PlannerSpec(
+    "ddp", plan, "PyTorch DDP's fixed-size gradient buckets, run by gradsync's runtime",
+    options=(Option("bucket_cap_bytes", 25 * MIB, positive_int, "a bucket's size (bytes)", is_bytes=True),
+             Option("first_bucket_bytes", 1 * MIB, positive_int, "the first bucket's size (bytes)", is_bytes=True),
+             OVERLAP_FORWARD),
+    source="torch DDP", strategy="ddp_buckets")

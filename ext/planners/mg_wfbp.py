@@ -28,7 +28,8 @@ from typing import Sequence
 from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile, TensorSpec
-from .options import overlapping, reject_unknown
+from . import PlannerSpec
+from .options import deferred_if
 from .wfbp import backward_order
 
 
@@ -62,18 +63,17 @@ def merge_units(profile: ModelProfile) -> list[MergeUnit]:
     return [MergeUnit(tuple(tensors), ready_times[layer_index]) for layer_index, tensors in runs]
 
 
-def plan_from_groups(groups: Sequence[Sequence[MergeUnit]], planner: str) -> Plan:
+def plan_from_groups(groups: Sequence[Sequence[MergeUnit]]) -> Plan:
     """One backward-phase op on channel 0 per group of units, groups in the order given."""
     ops = tuple(
         Op(tuple(whole(tensor) for unit in group for tensor in unit.tensors), priority=index)
         for index, group in enumerate(groups)
     )
-    return Plan(ops, planner)
+    return Plan(ops)
 
 
-def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, overlap_forward: bool) -> Plan:
     """One op per run of merged-gradient layers found by Algorithm 1, in backward order."""
-    reject_unknown("mg_wfbp", options, ("overlap_forward",))
     units = merge_units(profile)[::-1]  # paper order: index 0 is layer 1, the input side
     merged = merged_gradient_layers(units, cost)
     groups: list[list[MergeUnit]] = []
@@ -83,7 +83,7 @@ def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, 
         if index not in merged:  # layer 1 never is, so the last group closes
             groups.append(current)
             current = []
-    return overlapping("mg_wfbp", plan_from_groups(groups, "mg_wfbp"), overlap_forward)
+    return deferred_if(plan_from_groups(groups), overlap_forward)
 
 
 def merged_gradient_layers(units: Sequence[MergeUnit], cost: CostModel) -> set[int]:
@@ -110,3 +110,7 @@ def comm_start_times(comm: Sequence[float], ready: Sequence[float]) -> list[floa
     for layer in range(len(ready) - 2, -1, -1):
         start[layer] = max(start[layer + 1] + comm[layer + 1], ready[layer])
     return start
+
+
+SPEC = PlannerSpec("mg_wfbp", plan, "MG-WFBP: merge layers' gradients when all-reduce start-up dominates",
+                   source="mg-wfbp Algorithm 1")

@@ -35,16 +35,15 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..profile import ModelProfile
 from .mg_wfbp import MergeUnit, merge_units, plan_from_groups
-from .options import overlapping, reject_unknown
+from . import PlannerSpec
+from .options import deferred_if
 
 TIE_TOLERANCE = 1e-12  # relative: end times this close count as equal, and fewer ops win
 
 
-def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, overlap_forward: bool) -> Plan:
     """The fewest ops among the partitions with the earliest last all-reduce, in backward order."""
-    reject_unknown("optimal_merge", options, ("overlap_forward",))
-    groups = plan_from_groups(optimal_groups(merge_units(profile), cost), "optimal_merge")
-    return overlapping("optimal_merge", groups, overlap_forward)
+    return deferred_if(plan_from_groups(optimal_groups(merge_units(profile), cost)), overlap_forward)
 
 
 class State(NamedTuple):
@@ -152,3 +151,7 @@ def pareto_front(states: list[State]) -> list[State]:
 def not_later(time: float, limit: float) -> bool:
     """time ≤ limit, up to TIE_TOLERANCE: sums taken in another order may differ in the last bits."""
     return time <= limit + TIE_TOLERANCE * abs(limit)
+
+
+SPEC = PlannerSpec("optimal_merge", plan, "the exact optimum of MG-WFBP's merging problem (dynamic programming)",
+                   source="mg-wfbp §IV")

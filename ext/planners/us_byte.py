@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from ..cost import CostModel
 from ..plan import BACKWARD, FORWARD, Op, Plan
 from ..profile import ModelProfile
-from .options import overlapping, positive_int, reject_unknown
-from .partition import DEFAULT_PARTITION_BYTES, GradientGroup, gradient_groups
+from . import OVERLAP_FORWARD, PlannerSpec
+from .options import PARTITION_BYTES, deferred_if
+from .partition import GradientGroup, gradient_groups
 
 
 @dataclass
@@ -61,16 +62,13 @@ class Candidate:
     time: float
 
 
-def plan(profile: ModelProfile, cost: CostModel, partition_bytes: int = DEFAULT_PARTITION_BYTES,
-         overlap_forward: bool = False, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, partition_bytes: int, overlap_forward: bool) -> Plan:
     """US-Byte's plan: Algorithm 2's P1 and Algorithm 1's phase-one ops, then phase two by Theorem 1;
     the WFBP-equivalent point of the same search space where that is faster (see `wfbp_equivalent`)."""
-    reject_unknown("us_byte", options, ("partition_bytes", "overlap_forward"))
-    positive_int("us_byte", "partition_bytes", partition_bytes)
     greedy = greedy_priorities(gradient_groups(profile, partition_bytes), profile, cost)
     best = min(greedy, wfbp_equivalent(profile, cost), key=lambda candidate: candidate.time)
-    ordered = Plan(tuple(candidate_ops(best)), "us_byte", {"partition_bytes": partition_bytes})
-    return overlapping("us_byte", ordered, overlap_forward)
+    ordered = Plan(tuple(candidate_ops(best)), options={"partition_bytes": partition_bytes})
+    return deferred_if(ordered, overlap_forward)
 
 
 def candidate_ops(candidate: Candidate) -> list[Op]:
@@ -226,3 +224,7 @@ def raise_priority(priorities: list[int], layer: int, target: int) -> list[int]:
     for index in range(target, layer):
         raised[index] = priorities[index] + 1
     return raised
+
+
+SPEC = PlannerSpec("us_byte", plan, "US-Byte: unequal-sized blocks overlapping backward and the next forward",
+                   options=(PARTITION_BYTES, OVERLAP_FORWARD), source="us-byte Algorithms 1–2, Theorem 1")

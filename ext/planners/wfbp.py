@@ -5,17 +5,17 @@ from __future__ import annotations
 from ..cost import CostModel
 from ..plan import Op, Plan, whole
 from ..profile import ModelProfile
-from .options import overlapping, reject_unknown
+from . import PlannerSpec
+from .options import deferred_if
 
 
-def plan(profile: ModelProfile, cost: CostModel, overlap_forward: bool = False, **options) -> Plan:
+def plan(profile: ModelProfile, cost: CostModel, *, overlap_forward: bool) -> Plan:
     """One op per tensor in backward order (output layer first)."""
-    reject_unknown("wfbp", options, ("overlap_forward",))
     ops = tuple(
         Op((whole(tensor),), priority=index)
         for index, (layer_index, tensor) in enumerate(backward_order(profile))
     )
-    return overlapping("wfbp", Plan(ops, "wfbp"), overlap_forward)
+    return deferred_if(Plan(ops), overlap_forward)
 
 
 def backward_order(profile: ModelProfile):
@@ -23,3 +23,7 @@ def backward_order(profile: ModelProfile):
     for layer_index in range(len(profile.layers) - 1, -1, -1):
         for tensor in reversed(profile.layers[layer_index].tensors):
             yield layer_index, tensor
+
+
+SPEC = PlannerSpec("wfbp", plan, "wait-free backpropagation: one all-reduce per gradient as soon as it is ready",
+                   source="mg-wfbp §III")

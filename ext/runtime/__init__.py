@@ -21,7 +21,7 @@ from .channels import Channels
 from .engine import GradSync, IterationStats, _broadcast_from_first, attached, check_not_attached, no_sync
 from .executor import NonFiniteGradient
 from .layout import ParameterLayout
-from .measure import CALIBRATION_OPTIONS, CALIBRATION_PLANNER, ProfileCalibration, measure_cost
+from .measure import ProfileCalibration, measure_cost
 from .optimizer import SyncedOptimizer
 from .trace import ChromeTrace
 
@@ -85,7 +85,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     if arguments.profile is not None:
         layout.check_profile(arguments.profile)
     skeleton = layout.profile(type(model).__name__)
-    planners.get(arguments.scheduler)(skeleton, arguments.cost or CostModel(1e-4, 1e-9), **arguments.planner_options)
+    arguments.planner(skeleton, arguments.cost or CostModel(1e-4, 1e-9))  # the planner takes this model
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
     check_same_settings(arguments, process_group)
@@ -97,7 +97,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     codec = arguments.codec
     codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channels.world_size,
                 share_from_first(random.randrange(2**62), process_group))
-    sync = GradSync(model, layout, channels, arguments.scheduler, arguments.planner_options, arguments.nonfinite,
+    sync = GradSync(model, layout, channels, arguments.planner, arguments.nonfinite,
                     arguments.broadcast_buffers, codec, writer)
     with sync.detached_on_error():
         sync.check_optimizer(optimizer)
@@ -105,7 +105,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         if arguments.profile is not None:
             sync.install_plan(arguments.profile, cost)
         else:
-            sync.install_plan(skeleton, cost, CALIBRATION_PLANNER, CALIBRATION_OPTIONS)  # see measure.py
+            sync.install_plan(skeleton, cost, planners.one_bucket())  # see measure.py
             sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
                                                   arguments.measure_iterations, type(model).__name__,
                                                   codec.steady_rounds(), arguments.plan_trials)

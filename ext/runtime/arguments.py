@@ -3,7 +3,7 @@ DeepSpeed plugin, the Lightning strategies) can refuse bad configuration before 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,7 +28,7 @@ PROBE = ModelProfile("probe", tuple(LayerProfile(f"layer{i}", (TensorSpec(f"x{i}
 class WrapArguments:
     """Every model-independent argument of ``wrap``, checked and loaded."""
 
-    scheduler: str
+    planner: planners.BoundPlanner  # the scheduler and its options
     codec: Codec
     channels: int
     profile: ModelProfile | None  # None: measure
@@ -40,7 +40,6 @@ class WrapArguments:
     warmup_iterations: int
     measure_iterations: int
     plan_trials: int
-    planner_options: dict = field(default_factory=dict)
     transport: str = "allreduce"
     topology: Topology | None = None  # forest only; None: the complete graph of the ranks
 
@@ -48,7 +47,7 @@ class WrapArguments:
         """What every rank must pass alike: a difference makes the ranks' collectives differ
         (a hang or an error deep in the process group), so `attach` compares them first. The trace
         path and the timeout may differ; a given profile's contents are checked by the plans' hash."""
-        return {"scheduler": self.scheduler, "scheduler options": self.planner_options,
+        return {"scheduler": self.planner.name, "scheduler options": dict(self.planner.options),
                 "compressor": self.codec.name, "channels": self.channels, "transport": self.transport,
                 "topology": self.topology, "cost": self.cost, "profile measured": self.profile is None,
                 "nonfinite": self.nonfinite, "broadcast_buffers": self.broadcast_buffers,
@@ -62,7 +61,6 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
                          measure_iterations: int = 3, plan_trials: int = 3, transport: str = "allreduce",
                          topology=None, **options) -> WrapArguments:
     """``wrap``'s arguments (see there) checked: ConfigError naming the argument otherwise."""
-    planner = planners.get(scheduler)
     codec = compress.build(compressor)
     count = 2 if channels is None else channels
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
@@ -80,21 +78,21 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
             raise ConfigError(f"{name!r} must be an integer >= {least}, got {value!r}")
     if trace is not None:
         _check_trace(trace)
-    planner_options = dict(options)
-    if "channels" in planners.option_names(scheduler):
-        planner_options["channels"] = count
-    probe = planner(PROBE, CostModel(1e-4, 1e-9), **planner_options)  # rejects unknown or bad planner options
+    if planners.spec(scheduler).takes_channels:
+        options["channels"] = count
+    planner = planners.bind(scheduler, **options)
+    probe = planner(PROBE, CostModel(1e-4, 1e-9))
     if probe.channels > count:
         raise ConfigError(f"scheduler {scheduler!r} with options {options} runs up to {probe.channels} ops at "
                           f"once, one per channel, and 'channels' is {count}: raise 'channels' to "
                           f"{probe.channels}")
     return WrapArguments(
-        scheduler=scheduler, codec=codec, channels=count,
+        planner=planner, codec=codec, channels=count,
         profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
         cost=_load(cost, "cost", lambda path: CostModel.from_dict(_read_json(path)), CostModel),
         trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=broadcast_buffers,
         warmup_iterations=warmup_iterations, measure_iterations=measure_iterations, plan_trials=plan_trials,
-        planner_options=planner_options, transport=transport, topology=network,
+        transport=transport, topology=network,
     )
 
 

@@ -32,7 +32,8 @@ from ..agreement import check_same_on_all_ranks
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
-from ..compress.planning import StepPrediction, at_compute_scale, plan_layouts, step_prediction
+from ..planners import BoundPlanner
+from ..planning import StepPrediction, at_compute_scale, plan_layouts, step_prediction
 from ..plan import Plan
 from ..profile import ModelProfile
 from .channels import Channels
@@ -64,14 +65,13 @@ class IterationStats:
 class GradSync:
     """The runtime attached to one model (see the module docstring)."""
 
-    def __init__(self, model, layout: ParameterLayout, channels: Channels, planner_name: str,
-                 planner_options: dict, nonfinite: str, broadcast_buffers: bool, codec: Codec, trace=None):
+    def __init__(self, model, layout: ParameterLayout, channels: Channels, planner: BoundPlanner,
+                 nonfinite: str, broadcast_buffers: bool, codec: Codec, trace=None):
         self.model = model
         self.layout = layout
         self.channels = channels
         self.codec = codec
-        self.planner_name = planner_name
-        self.planner_options = planner_options
+        self.planner = planner  # the user's scheduler (the calibration and trials install others)
         self.nonfinite = nonfinite
         self.broadcast_buffers = broadcast_buffers
         self.trace = trace
@@ -123,16 +123,13 @@ class GradSync:
         _ATTACHED[model] = self
 
     # -- planning ----------------------------------------------------------------------------------
-    def install_plan(self, profile: ModelProfile, cost: CostModel, planner_name: str | None = None,
-                     options: dict | None = None) -> None:
+    def install_plan(self, profile: ModelProfile, cost: CostModel, planner: BoundPlanner | None = None) -> None:
         """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
-        rank), check the hashes on every rank, and execute the plans from the next backward pass.
-        `options` replace the planner options given at wrap (the calibration plan takes none)."""
-        planner = planner_name or self.planner_name
-        if options is None:
-            options = self.planner_options if planner == self.planner_name else {}
+        rank) by `planner` (default: the user's), check the hashes on every rank, and execute the
+        plans from the next backward pass."""
+        planner = planner or self.planner
         layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
-                        for layout, entry in plan_layouts(profile, cost, planner, self.codec, options).items()}
+                        for layout, entry in plan_layouts(profile, cost, planner, self.codec).items()}
         plans = {layout: entry.plan for layout, entry in layout_plans.items()}
         self._check_same_plans(plans)
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost

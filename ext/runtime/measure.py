@@ -27,18 +27,14 @@ import torch
 import torch.distributed as dist
 
 from ..agreement import gather_from_all
-from ..compress.planning import chooses_among_planners, plan_alternatives, steady_layouts
 from ..cost import CostModel
 from ..plan import BACKWARD, Op, Plan, Slice
-from ..planners.auto import DEFAULT_TOLERANCE
+from ..planners import BoundPlanner, chosen_planner, one_bucket
+from ..planning import plan_alternatives, steady_layouts
 from ..profile import LayerProfile, ModelProfile
 from .channels import Channels
 from .executor import PlanExecutor
 from .layout import ParameterLayout
-
-CALIBRATION_PLANNER = "ddp"  # the plan the layers are timed under: every gradient in one bucket
-CALIBRATION_OPTIONS = {"bucket_cap_bytes": 1 << 62, "first_bucket_bytes": 1 << 62}
-
 
 def _median(samples: list[float]) -> float:
     return statistics.median(samples) if samples else 0.0
@@ -359,7 +355,7 @@ class ProfileCalibration(Measurement):
             return
         if self.interim is not None:  # the codec warms up under a plan made on its warm-up iterations
             if next_steady:
-                sync.install_plan(self.interim, self.cost, CALIBRATION_PLANNER, CALIBRATION_OPTIONS)
+                sync.install_plan(self.interim, self.cost, one_bucket())
                 self.interim = None
             return
         self.timer.count_iteration()
@@ -438,14 +434,15 @@ def kept_trial(seconds: list[float], tolerance: float) -> int:
 
 
 class PlanTrials(Measurement):
-    """Times the plans of `alternatives` (auto's option sets, auto's own choice first) on the live
+    """Times the plans of `alternatives` (auto, then auto restricted to one candidate each) on the live
     job, visiting them in `trial_order` for `iterations` iterations per visit, after one iteration
     to settle each switch (a visit that follows one of the same plan needs neither the switch nor
     the settling), and keeps the plan with the smallest median iteration time over its visits, the
     slowest rank's; auto's own choice stays unless that is faster by more than auto's `tolerance`
     (measurements are noisy too)."""
 
-    def __init__(self, sync, profile: ModelProfile, cost: CostModel, alternatives: list[dict], iterations: int):
+    def __init__(self, sync, profile: ModelProfile, cost: CostModel, alternatives: list[BoundPlanner],
+                 iterations: int):
         self.profile, self.cost = profile, cost
         self.alternatives = alternatives
         self.iterations = iterations
@@ -463,17 +460,17 @@ class PlanTrials(Measurement):
         """Trials of up to `count` plans of a planner that chooses among others, the first one
         installed; None, and nothing installed, when there is nothing to compare (a planner that
         does not choose, `count` < 2, or every candidate makes the same plans)."""
-        if count < 2 or not chooses_among_planners(sync.planner_name):
+        if count < 2 or not sync.planner.chooses:
             return None
-        alternatives = plan_alternatives(profile, cost, sync.codec, sync.planner_name, sync.planner_options, count)
+        alternatives = plan_alternatives(profile, cost, sync.codec, sync.planner, count)
         if len(alternatives) < 2:
             return None
         cycle = len(sync.codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
         return cls(sync, profile, cost, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle))
 
     def _install(self, sync, index: int) -> None:
-        sync.install_plan(self.profile, self.cost, options=self.alternatives[index])
-        chosen = {sync.plans[layout].options["chosen"] for layout in steady_layouts(sync.codec)}
+        sync.install_plan(self.profile, self.cost, self.alternatives[index])
+        chosen = {chosen_planner(sync.plans[layout]) for layout in steady_layouts(sync.codec)}
         self.labels[index] = "/".join(sorted(chosen))
         self.settling = True
 
@@ -503,8 +500,8 @@ class PlanTrials(Measurement):
                                device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
         medians = slowest.tolist()
-        fastest = kept_trial(medians, sync.planner_options.get("tolerance", DEFAULT_TOLERANCE))
+        fastest = kept_trial(medians, sync.planner.tolerance)
         if fastest != installed:
-            sync.install_plan(self.profile, self.cost, options=self.alternatives[fastest])
+            sync.install_plan(self.profile, self.cost, self.alternatives[fastest])
         sync.trial_times = list(zip(self.labels, medians))
         sync.measurement = None

@@ -1,16 +1,16 @@
-"""Planning with a codec: one plan per wire layout, and the predicted time of a step's rounds."""
+"""The planning pipeline: a bound planner and a codec give one plan per wire layout, each made on
+the sizes that travel, and the simulator predicts the time of a step's rounds."""
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 
-from .. import planners
-from ..cost import CostModel
-from ..plan import Plan
-from ..profile import LayerProfile, ModelProfile
-from ..simulate import simulate
-from .codec import Codec
-from .wire import codec_seconds, wire_profile
+from .compress.codec import Codec
+from .compress.wire import codec_seconds, wire_profile
+from .cost import CostModel
+from .plan import Plan
+from .planners import BoundPlanner
+from .profile import LayerProfile, ModelProfile
+from .simulate import simulate
 
 
 @dataclass(frozen=True)
@@ -22,34 +22,28 @@ class LayoutPlan:
     codec_seconds: tuple[float, float] = (0.0, 0.0)
 
 
-def plan_layouts(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,
+def plan_layouts(profile: ModelProfile, cost: CostModel, planner: BoundPlanner, codec: Codec,
                  flops_per_second: float | None = None) -> dict[str, LayoutPlan]:
-    """The scheduler's plan of every layout of `codec`, each made on that layout's wire profile."""
-    planner = planners.get(scheduler)
+    """The planner's plan of every layout of `codec`, each made on that layout's wire profile with
+    the planner's byte thresholds scaled by the layout's compression rate.
+
+    Args:
+        profile: the model's uncompressed profile.
+        cost: the all-reduce cost model.
+        planner: the bound planner.
+        codec: the compressor, set up on the profile's tensors.
+        flops_per_second: models the codec's encoding and decoding time (None: a measured
+            profile, whose serial codec work is in its update time).
+    """
     tensors = [spec for layer in profile.layers for spec in layer.tensors]
     result = {}
     for layout in codec.layouts():
         wire = wire_profile(profile, codec, layout, flops_per_second)
-        scaled = scale_byte_options(planner, options, wire.total_bytes / profile.total_bytes)
-        plan = planner(wire, cost, **scaled).validate(wire)
+        plan = planner.scaled(wire.total_bytes / profile.total_bytes)(wire, cost).validate(wire)
         labelled = tuple(replace(op, codec=codec.name) for op in plan.ops)
         result[layout] = LayoutPlan(Plan(labelled, plan.planner, plan.options), wire,
                                     codec_seconds(tensors, codec, layout, flops_per_second))
     return result
-
-
-def scale_byte_options(planner, options: dict, rate: float) -> dict:
-    """Byte thresholds (a planner's options named ``*_bytes``, given or default) describe
-    uncompressed gradients; on a wire `rate` times smaller they shrink alike (acp-sgd §IV-B:
-    fusion buffer sizes scaled by the compression rate)."""
-    if rate >= 1.0:
-        return dict(options)
-    scaled = dict(options)
-    for name, parameter in inspect.signature(planner).parameters.items():
-        default = parameter.default
-        if name.endswith("_bytes") and (name in options or default is not inspect.Parameter.empty):
-            scaled[name] = max(1, int(options.get(name, default) * rate))
-    return scaled
 
 
 def at_compute_scale(layout_plans: dict[str, LayoutPlan], scale: float) -> dict[str, LayoutPlan]:
@@ -100,30 +94,26 @@ def predict_steady(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, .
     return sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
 
 
-def predict_cycle(profile: ModelProfile, cost: CostModel, scheduler: str, codec: Codec, options: dict,
+def predict_cycle(profile: ModelProfile, cost: CostModel, planner: BoundPlanner, codec: Codec,
                   flops_per_second: float | None = None) -> tuple[dict[str, LayoutPlan], float]:
     """The plans of every layout and the mean predicted step time over the codec's steady cycle
-    (e.g. ACP-SGD's P step and Q step). `codec` must be set up on the profile's tensors."""
-    layout_plans = plan_layouts(profile, cost, scheduler, codec, options, flops_per_second)
+    (e.g. ACP-SGD's P step and Q step). Arguments as `plan_layouts`."""
+    layout_plans = plan_layouts(profile, cost, planner, codec, flops_per_second)
     return layout_plans, predict_steady(layout_plans, codec.steady_rounds(), cost)
 
 
-def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: str, options: dict,
-                      count: int) -> list[dict]:
-    """Up to `count` option sets of a planner that chooses among `candidates` (``auto``) worth
-    timing: `options` themselves (its own choice), then `options` restricted to one candidate
-    each, best predicted cycle time first, skipping any whose steady layouts' plans equal those of
-    one already listed.
-    The candidates are `options`' or every planner that does not choose among others. `codec`
-    must be set up."""
-    pool = options.get("candidates") or [name for name in planners.names() if not chooses_among_planners(name)]
-    seen = {steady_hashes(plan_layouts(profile, cost, planner, codec, options), codec)}
+def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner,
+                      count: int) -> list[BoundPlanner]:
+    """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: the
+    planner itself (its own choice), then the planner restricted to one candidate each
+    (`BoundPlanner.alternatives`), best predicted cycle time first, skipping any whose steady
+    layouts' plans equal those of one already listed. `codec` must be set up."""
+    seen = {steady_hashes(plan_layouts(profile, cost, planner, codec), codec)}
     ranked = []
-    for name in pool:
-        single = {**options, "candidates": (name,)}
-        layout_plans, predicted = predict_cycle(profile, cost, planner, codec, single)
-        ranked.append((predicted, name, single, steady_hashes(layout_plans, codec)))
-    alternatives = [dict(options)]
+    for single in planner.alternatives():
+        layout_plans, predicted = predict_cycle(profile, cost, single, codec)
+        ranked.append((predicted, single.described(), single, steady_hashes(layout_plans, codec)))
+    alternatives = [planner]
     for _, _, single, hashes in sorted(ranked, key=lambda item: (item[0], item[1])):
         if len(alternatives) >= count:
             break
@@ -141,8 +131,3 @@ def steady_layouts(codec: Codec) -> list[str]:
 def steady_hashes(layout_plans: dict[str, LayoutPlan], codec: Codec) -> tuple[str, ...]:
     """The hashes of the plans of the steady layouts: what running these plans means in the long run."""
     return tuple(layout_plans[layout].plan.hash for layout in steady_layouts(codec))
-
-
-def chooses_among_planners(name: str) -> bool:
-    """Whether planner `name` picks one of other planners' plans (it takes `candidates`)."""
-    return "candidates" in planners.option_names(name)

@@ -1,1 +1,0 @@
-"""Hydra config group: package data found through pkg://gradsync.recipes.conf."""
