@@ -1,4 +1,5 @@
-"""Topology-adaptive forest packing (Zhang, Wu, Li): plan reduce/broadcast trees on a network.
+"""Topology-adaptive forest packing (forest-packing in gradsync.bibliography, "the paper" in this
+package): plan reduce/broadcast trees on a network.
 
 `Topology` (model.py, presets.py) describes the network; `plan_forest` (packing.py) solves
 problem (4) or (8) and returns a `ForestPacking` (forest.py); `ForestAllReduce` (allreduce.py)

@@ -15,7 +15,7 @@ import string
 from ..errors import ConfigError
 from .model import Link, Topology, check_rate
 
-# NVLink count between GPU i and j in a DGX-1 (FIELD-NOTES), 25 GB/s = 200 Gbit/s per link.
+# NVLink count between GPU i and j in a DGX-1 (its hybrid cube-mesh), 25 GB/s = 200 Gbit/s per link.
 DGX1_LINKS = (
     (0, 2, 1, 1, 2, 0, 0, 0), (2, 0, 1, 2, 0, 1, 0, 0), (1, 1, 0, 2, 0, 0, 2, 0), (1, 2, 2, 0, 0, 0, 0, 1),
     (2, 0, 0, 0, 0, 2, 1, 1), (0, 1, 0, 0, 2, 0, 1, 2), (0, 0, 2, 0, 1, 1, 0, 2), (0, 0, 0, 1, 1, 2, 2, 0),
