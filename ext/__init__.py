@@ -10,7 +10,7 @@ from .cost import CostModel
 from .errors import ConfigError
 from .plan import Op, Plan, Slice
 from .profile import ModelProfile
-from .runtime import IterationStats, NonFiniteGradient, no_sync, wrap
+from .runtime import IterationStats, NonFiniteGradient, SyncReport, no_sync, report, wrap
 from .simulate import Timeline, simulate
 from . import strategies  # registers the Lightning strategy names when Lightning is installed
 
@@ -39,6 +39,8 @@ __all__ = [
     "Slice",
     "Timeline",
     "no_sync",
+    "report",
+    "SyncReport",
     "planners",
     "strategies",
     "profile",

@@ -104,19 +104,15 @@ def _runtime_of(trainer):
 
 def _finish_job(job: dict, output: Path, runtime, logger, breakdown: dict) -> dict:
     """Rank 0: the plan's summary and timeline PNG, the W&B additions, and the run closed."""
-    from ..simulate import simulate
-
     extra = {"timeline": None, "wandb_run": None, "plans": None}
     rows = timeline_png = None
     if runtime is not None:
-        timelines = {layout: simulate(entry.plan, entry.wire, runtime.cost)
-                     for layout, entry in runtime.layout_plans.items()}
-        extra["plans"] = {layout: {"planner": entry.plan.planner, "ops": len(entry.plan.ops),
-                                   "channels": entry.plan.channels, "hash": entry.plan.hash}
-                          for layout, entry in runtime.layout_plans.items()}
-        rows = wandb_logging.plan_rows(runtime.layout_plans, timelines)
+        report = runtime.report()
+        extra["plans"] = {layout: {key: entry.summary()[key] for key in ("planner", "ops", "channels", "hash")}
+                          for layout, entry in report.layouts.items()}
+        rows = wandb_logging.plan_rows(report)
         if job["timeline"]:
-            timeline_png = _plot(job, output, runtime, timelines)
+            timeline_png = _plot(job, output, report)
             extra["timeline"] = str(timeline_png)
     if job["logger"]["kind"] == "wandb":
         wandb_logging.log_job(logger, breakdown, rows, timeline_png)
@@ -125,15 +121,14 @@ def _finish_job(job: dict, output: Path, runtime, logger, breakdown: dict) -> di
     return extra
 
 
-def _plot(job: dict, output: Path, runtime, timelines: dict) -> Path:
+def _plot(job: dict, output: Path, report) -> Path:
     """The timeline of the first layout a steady step sends (ACP-SGD: the P step)."""
     from ..timeline_plot import plot_timeline
 
-    layout = runtime.codec.steady_rounds()[0][0]
-    plan = runtime.layout_plans[layout].plan
-    label = "" if layout == "plain" else f", {layout} layout"
-    title = f"{job['model']['name']} on {job['data']['name']}: {job['strategy']['name']} ({plan.planner}{label})"
-    return plot_timeline(timelines[layout], output / "timeline.png", title)
+    steady = report.steady
+    label = "" if steady.layout == "plain" else f", {steady.layout} layout"
+    title = f"{job['model']['name']} on {job['data']['name']}: {job['strategy']['name']} ({steady.plan.planner}{label})"
+    return plot_timeline(steady.timeline, output / "timeline.png", title)
 
 
 def _quiet_lightning() -> None:

@@ -48,7 +48,7 @@ def fit(rank: int, world_size: int, model: str = "cnn", dataset: str = "digits",
         optimizer.synchronize()
         accuracies.append(accuracy(network, split.test))
     sync = attached(network)
-    history = sync.history
+    history = sync.report().history
     result = {
         "accuracy": accuracies,
         "iteration_ms": 1e3 * statistics.median(s.iteration_time for s in history),

@@ -105,9 +105,10 @@ class IterationTimer(pl.Callback):
     def on_train_batch_end(self, trainer, _module, _outputs, _batch, _index) -> None:
         self.step_times.append(time.perf_counter() - self.started)
         self.runtime = self.runtime_of(trainer) or self.runtime
-        if self.steady_step is None and (self.runtime is None or self.runtime.measurement is None):
+        report = None if self.runtime is None else self.runtime.report()
+        if self.steady_step is None and (report is None or not report.measuring):
             self.steady_step = len(self.step_times)
-            self.steady_iteration = self.runtime.iteration if self.runtime is not None else None
+            self.steady_iteration = None if report is None else report.iteration
 
     def breakdown(self, samples_per_step: int) -> dict:
         """Median step time and throughput; with gradsync, over the same steps, the medians of the
@@ -123,14 +124,14 @@ class IterationTimer(pl.Callback):
                   "compression_ratio": None}
         if self.runtime is None:
             return result
-        history = [s for s in self.runtime.history if s.iteration >= (self.steady_iteration or 0)] \
-            or list(self.runtime.history)
+        report = self.runtime.report()
+        history = [s for s in report.history if s.iteration >= (self.steady_iteration or 0)] or list(report.history)
         median = statistics.median
         result.update(
             measured_ms=1e3 * median(s.busy_time + s.comm_wait for s in history),
             predicted_ms=1e3 * median(s.predicted_time for s in history),
             comm_wait_ms=1e3 * median(s.comm_wait for s in history),
             codec_ms=1e3 * median(s.codec_time for s in history),
-            compression_ratio=statistics.fmean(s.bytes_sent for s in history) / self.runtime.profile.total_bytes,
+            compression_ratio=statistics.fmean(s.bytes_sent for s in history) / report.gradient_bytes,
         )
         return result

@@ -35,11 +35,12 @@ def make_logger(logger_cfg: dict, output_dir: Path, run_name: str, config: dict)
     return False
 
 
-def plan_rows(layout_plans: dict, timelines: dict) -> list[list]:
-    """One row per op of every layout's plan, with the simulator's predicted start and end."""
+def plan_rows(report) -> list[list]:
+    """One row per op of every layout's plan (a SyncReport's), with the simulator's predicted start
+    and end."""
     rows = []
-    for layout, entry in layout_plans.items():
-        spans = {span.op: span for span in timelines[layout].ops}
+    for layout, entry in report.layouts.items():
+        spans = {span.op: span for span in entry.timeline.ops}
         for index, op in enumerate(entry.plan.ops):
             tensors = op.tensors()
             span = spans[index]

@@ -53,7 +53,6 @@ class GradSyncOverrides:
         self.compressor = compressor
         self.gradsync_options = options
         self.runtime = None  # the GradSync attached to the LightningModule while fitting
-        self.gradient_bytes = 0  # uncompressed bytes of the gradients it synchronises
 
     # -- no DistributedDataParallel --------------------------------------------------------------
     def _setup_model(self, model):
@@ -76,7 +75,6 @@ class GradSyncOverrides:
         # step may read them, the backward pass ends once they are averaged, as DDP's does (this gives
         # up overlapping forward-phase ops with the next forward)
         self.runtime.wait_at_backward_end = self._gradients_read_before_step()
-        self.gradient_bytes = sum(p.numel() * p.element_size() for p in self.runtime.layout.parameters.values())
         self.optimizers = [synced]
 
     def _wrap_options(self) -> dict:
@@ -128,19 +126,20 @@ class GradSyncOverrides:
     # -- per-iteration statistics ------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Step, then log the iteration's statistics (none when a GradScaler skipped the step)."""
-        iterations = self.runtime.iteration
+        iterations = self.runtime.report().iteration
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.runtime.iteration > iterations:
-            self._log_stats(self.runtime.history[-1])
+        report = self.runtime.report()
+        if report.iteration > iterations:
+            self._log_stats(report.latest, report.gradient_bytes)
         return output
 
-    def _log_stats(self, stats) -> None:
+    def _log_stats(self, stats, gradient_bytes: int) -> None:
         """Log an iteration's measured time, non-overlapped communication (comm_wait), the codec's
         encoding and decoding time (codec_time), bytes sent by this rank and compression ratio
         (bytes sent / uncompressed gradient bytes) to every Lightning logger and the progress bar
         (rank 0's values, as for any metric logged without sync_dist)."""
         metrics = {"iteration_time": stats.iteration_time, "comm_wait": stats.comm_wait, "codec_time": stats.codec_time,
-                   "bytes_sent": float(stats.bytes_sent), "compression_ratio": stats.bytes_sent / self.gradient_bytes}
+                   "bytes_sent": float(stats.bytes_sent), "compression_ratio": stats.bytes_sent / gradient_bytes}
         for name, value in metrics.items():
             self.lightning_module.log(STATS_PREFIX + name, value, on_step=True, on_epoch=False, prog_bar=True,
                                       logger=True)

@@ -45,7 +45,7 @@ class ScriptedSync:
         self.layout = SimpleNamespace(device=torch.device("cpu"))
         self.codec = compress.build(None)
         self.planner = planners.bind("auto")
-        self.executor = SimpleNamespace(skip_step=False)
+        self.last_step_skipped = False
         self.channels = SimpleNamespace(process_group=None)
         self.installed: list[str] = []
         self.plans = {}

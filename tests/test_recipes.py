@@ -378,7 +378,7 @@ def test_the_breakdown_takes_medians_of_the_forward_to_step_times_and_the_mean_o
                     (0.006, 0.003, 0.491, 100, 0.009, 0.002), (0.007, 0.002, 0.003, 300, 0.011, 0.005)])]
     timer = IterationTimer(runtime_of=lambda trainer: None)
     timer.step_times, timer.steady_step, timer.steady_iteration = [0.010, 0.012, 0.500, 0.011], 0, 0
-    timer.runtime = SimpleNamespace(history=history, profile=SimpleNamespace(total_bytes=1000))
+    timer.runtime = SimpleNamespace(report=lambda: SimpleNamespace(history=tuple(history), gradient_bytes=1000))
     breakdown = timer.breakdown(samples_per_step=64)
     assert breakdown["measured_ms"] == pytest.approx(9.0) and breakdown["iteration_ms"] == pytest.approx(11.5)
     assert breakdown["predicted_ms"] == pytest.approx(10.0) and breakdown["comm_wait_ms"] == pytest.approx(2.0)

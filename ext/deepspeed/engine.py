@@ -44,7 +44,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, con
 
 def attach(engine, arguments: WrapArguments) -> None:
     """Turn off the engine's all-reduce and attach gradsync with the checked `arguments`;
-    ``engine.gradsync`` is the runtime (``.history``, ``.plans``)."""
+    ``engine.gradsync`` is the runtime (``engine.gradsync.report()``: plans, trials, statistics)."""
     _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
     engine.enable_backward_allreduce = False
     engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
@@ -58,7 +58,7 @@ class DeepSpeedSyncedOptimizer(SyncedOptimizer):
     @property
     def overflow(self) -> bool:
         """Whether the last step was skipped for non-finite gradients (on every rank)."""
-        return self.sync.executor is not None and self.sync.executor.skip_step
+        return self.sync.last_step_skipped
 
 
 class GradSyncEngine:

@@ -23,10 +23,17 @@ from .executor import NonFiniteGradient
 from .layout import ParameterLayout
 from .measure import ProfileCalibration, measure_cost
 from .optimizer import SyncedOptimizer
+from .report import LayoutReport, SyncReport
 from .trace import ChromeTrace
 
-__all__ = ["GradSync", "IterationStats", "NonFiniteGradient", "SyncedOptimizer", "WrapArguments", "attached",
-           "check_wrap_arguments", "no_sync", "wrap"]
+__all__ = ["GradSync", "IterationStats", "LayoutReport", "NonFiniteGradient", "SyncReport", "SyncedOptimizer",
+           "WrapArguments", "attached", "check_wrap_arguments", "no_sync", "report", "wrap"]
+
+
+def report(model: torch.nn.Module) -> SyncReport:
+    """The read-only report of the synchronisation attached to `model` (its plans per wire layout,
+    their simulated timelines, auto's choice and trials, the latest statistics)."""
+    return attached(model).report()
 
 
 def wrap(

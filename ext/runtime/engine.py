@@ -41,6 +41,7 @@ from .compute_speed import ComputeSpeed, slowest_over_ranks
 from .executor import PlanExecutor
 from .layout import ParameterLayout
 from .optimizer import ParameterSubset, hyperparameters
+from .report import LayoutReport, SyncReport
 
 HISTORY_LENGTH = 10_000  # iterations whose statistics GradSync.history keeps (the most recent)
 
@@ -146,9 +147,26 @@ class GradSync:
         return self.predictions[rounds]
 
     @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped for non-finite gradients (on every rank)."""
+        return self.executor is not None and self.executor.skip_step
+
+    @property
     def plan(self) -> Plan:
         """The (first) plan the next iteration executes."""
         return self.plans[self.codec.rounds(self.sync_steps)[0]]
+
+    def report(self) -> SyncReport:
+        """A read-only snapshot for front-ends (gradsync.runtime.report)."""
+        return SyncReport(
+            scheduler=self.planner.described(), compressor=self.codec.name,
+            layouts={layout: LayoutReport(layout, entry.plan, entry.wire, self.cost)
+                     for layout, entry in self.layout_plans.items()},
+            steady_layouts=tuple(dict.fromkeys(layout for rounds in self.codec.steady_rounds() for layout in rounds)),
+            measuring=self.measurement is not None,
+            trials=None if self.trial_times is None else tuple(self.trial_times),
+            iteration=self.iteration, history=tuple(self.history),
+            gradient_bytes=sum(p.numel() * p.element_size() for p in self.layout.parameters.values()))
 
     def _check_same_plans(self, plans: dict[str, Plan]) -> None:
         check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",

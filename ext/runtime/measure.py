@@ -480,7 +480,7 @@ class PlanTrials(Measurement):
         if self.settling:  # this iteration's forward still applied the previous plan's deferred updates
             self.settling = False
             return
-        if sync.executor.skip_step:  # a step skipped for non-finite gradients (on every rank) is no sample
+        if sync.last_step_skipped:  # a step skipped for non-finite gradients (on every rank) is no sample
             return
         index = self.order[self.visit]
         self.samples[index].append(ended - started)
