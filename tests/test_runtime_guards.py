@@ -179,6 +179,55 @@ def wrap_with_rank_dependent(rank, world_size, settings):
     return None, False
 
 
+@pytest.mark.parametrize("settings, named", [
+    # codec options: a differing seed or reuse trains without error but the replicas drift apart
+    ([{"compressor": {"type": "acp_sgd", "seed": 1}}, {"compressor": {"type": "acp_sgd", "seed": 2}}],
+     "compressor options: rank 1 has {'rank': 4, 'min_compression_rate': 2.0, 'start_iter': 0, "
+     "'error_feedback': True, 'reuse': True, 'seed': 2}"),
+    ([{"compressor": {"type": "acp_sgd", "reuse": False}}, {"compressor": "acp_sgd"}], "'compressor options'"),
+    ([{"compressor": {"type": "topk", "density": 0.1}}, {"compressor": "topk"}], "'compressor options'"),
+    # planner options
+    ([{"scheduler": "us_byte", "partition_bytes": 1024}, {"scheduler": "us_byte"}], "'scheduler options'"),
+])
+def test_ranks_whose_codec_or_planner_options_differ_fail_naming_them(settings, named):
+    for error, left_attached in run_local(wrap_with_rank_dependent, 2, settings):
+        assert error is not None and named in error and "(ranks [1] differ from rank 0)" in error, error
+        assert not left_attached
+
+
+def wrap_a_rank_dependent_model(rank, world_size, change):
+    """wrap on each rank, rank 1's model changed by `change`: the error, or None."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    if rank == 1:
+        model = {"double": lambda m: m.double(),
+                 "shape": lambda m: setattr(m, "mix", torch.nn.Linear(WIDTH, WIDTH + 1)) or m,
+                 "extra": lambda m: setattr(m, "extra", torch.nn.Linear(2, 2)) or m,
+                 "frozen": lambda m: m.mix.requires_grad_(False) and m}[change](model)
+    try:
+        gradsync.wrap(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                      profile="measure", cost=COST, timeout=60)
+    except ConfigError as failure:
+        return str(failure)
+    attached(model).detach()
+    return None
+
+
+@pytest.mark.parametrize("change, named", [
+    ("double", "parameter 'conv.bias': rank 1 has ((16,), 'float64', 'cpu', True), rank 0 has ((16,), 'float32', "
+               "'cpu', True)"),
+    ("shape", "parameter 'mix.weight'"),
+    ("extra", "'parameter names'"),
+    ("frozen", "parameter 'mix.bias': rank 1 has ((16,), 'float32', 'cpu', False)"),
+])
+def test_ranks_whose_models_differ_fail_naming_the_tensor_before_any_collective(change, named):
+    """torch DDP compares parameter shapes across ranks first; gradsync compares names, shapes,
+    dtypes, devices and requires_grad of parameters and buffers (a float64 model on one rank used
+    to abort its peer inside gloo)."""
+    for error in run_local(wrap_a_rank_dependent_model, 2, change, timeout=120):
+        assert error is not None and named in error and "different" in error, error
+
+
 def test_ranks_wrapping_with_different_settings_fail_naming_them():
     """Different channels or buffer broadcasts would make the ranks' collectives differ (a hang, or
     a store timeout deep in the process group): every rank refuses first, naming what differs."""

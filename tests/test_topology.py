@@ -300,3 +300,28 @@ def test_cli_json_is_the_whole_stdout_in_a_fresh_process(capfd):
                     "--inter-gbps", "10", "--active", "2,3,4,1", "--json"], check=True)
     out = json.loads(capfd.readouterr().out)
     assert out["active"] and out["speedup_over_best_baseline"] >= 1.0
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("truncated.json", '{"workers": 2, "links": [', "invalid JSON at line 1, column 26"),
+    ("bad.yaml", "workers: [a, b\nlinks: x", "invalid YAML at line 2, column 6"),
+    ("tab.yaml", "workers:\t2\n", "invalid YAML at line 1, column 9"),
+    ("binary.yaml", b"\xff\xfe\x00\x01garbage", "not UTF-8 text (byte 0"),
+    ("list.yaml", "- 1\n- 2\n", "expected a mapping"),
+    ("groups.yaml", "workers: 2\ngroups: [a]\nlinks: []\n", "topology.groups: give a mapping"),
+    ("relays.yaml", "workers: 2\nrelays: 5\nlinks: []\n", "topology.relays: give a list"),
+    ("link.yaml", "workers: 2\nlinks: [abc]\n", "topology.links[0]: expected a mapping"),
+    ("nan.json", '{"workers": 2, "links": [{"from": "0", "to": "1", "bandwidth": NaN}]}', "positive and finite"),
+])
+def test_a_malformed_topology_file_is_a_config_error_naming_the_file_and_the_place(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    with pytest.raises(ConfigError) as raised:
+        load(path)
+    assert str(path) in str(raised.value) and message in str(raised.value)
+
+
+def test_an_unreadable_topology_path_is_a_config_error(tmp_path):
+    for path, message in ((tmp_path / "missing.yaml", "No such file"), (tmp_path, "Is a directory")):
+        with pytest.raises(ConfigError, match=message):
+            load(path)

@@ -235,6 +235,9 @@ class ACPSGD(Codec):
         self.deferred = {k: (left.clone(), right.clone()) for k, (left, right) in (per_rank or {}).get("deferred", {}).items()}
         self.pending = {}
 
+    def settings(self) -> dict:
+        return {**self._options(), "seed": self.fixed_seed}
+
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,
                 "start_iter": self.start_iter, "error_feedback": self.error_feedback, "reuse": self.reuse}

@@ -27,6 +27,15 @@ class Codec:
         self.specs = dict(specs)
         self.world_size = world_size
 
+    def settings(self) -> dict:
+        """Every option it was built with: the ranks' codecs must agree on all of them (wrap
+        compares them before the first collective)."""
+        return self._options()
+
+    def _options(self) -> dict:
+        """The options that shape its state (checked again when a checkpoint is loaded)."""
+        return {}
+
     # -- planning --------------------------------------------------------------------------------
     def rounds(self, step: int) -> tuple[str, ...]:
         """The wire layouts sent at `step` (0-based count of synchronised iterations), in order:

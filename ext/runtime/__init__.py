@@ -95,7 +95,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     arguments.planner(skeleton, arguments.cost or CostModel(1e-4, 1e-9))  # the planner takes this model
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
-    check_same_settings(arguments, process_group)
+    check_same_settings(arguments, model, process_group)
 
     forest = _forest_topology(arguments, process_group)
     _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], process_group)
@@ -119,14 +119,43 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         return model, SyncedOptimizer(optimizer, sync)
 
 
-def check_same_settings(arguments: WrapArguments, process_group) -> None:
-    """Every rank passed `wrap` the same settings (`WrapArguments.shared_settings`); else every
-    rank raises, naming the settings that differ, before any other collective."""
-    mine = arguments.shared_settings()
-    differing = sorted({key for theirs in gather_from_all(mine, process_group) for key in mine if theirs[key] != mine[key]})
-    if differing:
-        raise ConfigError(f"gradsync.wrap was given different {differing} on different ranks: pass the same "
-                          "arguments on every rank")
+SHOWN_DIFFERENCES = 5  # fields of a settings mismatch described in the error
+
+
+def model_table(model: torch.nn.Module) -> dict:
+    """What every rank's model must share: its parameters' and buffers' names, and each one's
+    shape, dtype and device type (and a parameter's requires_grad)."""
+    table = {"parameter names": tuple(name for name, _ in model.named_parameters()),
+             "buffer names": tuple(name for name, _ in model.named_buffers())}
+    for name, parameter in model.named_parameters():
+        table[f"parameter {name!r}"] = (tuple(parameter.shape), str(parameter.dtype).removeprefix("torch."),
+                                        parameter.device.type, parameter.requires_grad)
+    for name, buffer in model.named_buffers():
+        table[f"buffer {name!r}"] = (tuple(buffer.shape), str(buffer.dtype).removeprefix("torch."), buffer.device.type)
+    return table
+
+
+def check_same_settings(arguments: WrapArguments, model: torch.nn.Module, process_group) -> None:
+    """Every rank passed `wrap` the same settings (`WrapArguments.shared_settings`: the planner's,
+    the codec's and the transport's options among them) and the same model (`model_table`); else
+    every rank raises, naming the fields that differ and the ranks, before any other collective
+    (a dtype or shape that differs would otherwise meet inside the backend)."""
+    everyone = gather_from_all({**arguments.shared_settings(), **model_table(model)}, process_group)
+    first = everyone[0]
+    differing = {}
+    for key in dict.fromkeys(key for settings in everyone for key in settings):
+        ranks = [rank for rank, settings in enumerate(everyone) if settings.get(key) != first.get(key)]
+        if ranks:
+            differing[key] = ranks
+    if not differing:
+        return
+    named = sorted(differing)[:SHOWN_DIFFERENCES]
+    more = f" and {len(differing) - len(named)} more" if len(differing) > len(named) else ""
+    details = "; ".join(f"{key}: rank {differing[key][0]} has {everyone[differing[key][0]].get(key)!r}, rank 0 has "
+                        f"{first.get(key)!r}" for key in named)
+    ranks = sorted({rank for ranks in differing.values() for rank in ranks})
+    raise ConfigError(f"gradsync.wrap was given different {named}{more} on different ranks (ranks {ranks} differ "
+                      f"from rank 0): {details}. Pass the same arguments and model on every rank")
 
 
 def _forest_topology(arguments: WrapArguments, process_group) -> Topology | None:

@@ -48,7 +48,8 @@ class WrapArguments:
         (a hang or an error deep in the process group), so `attach` compares them first. The trace
         path and the timeout may differ; a given profile's contents are checked by the plans' hash."""
         return {"scheduler": self.planner.name, "scheduler options": dict(self.planner.options),
-                "compressor": self.codec.name, "channels": self.channels, "transport": self.transport,
+                "compressor": self.codec.name, "compressor options": self.codec.settings(),
+                "channels": self.channels, "transport": self.transport,
                 "topology": self.topology, "cost": self.cost, "profile measured": self.profile is None,
                 "nonfinite": self.nonfinite, "broadcast_buffers": self.broadcast_buffers,
                 "warmup_iterations": self.warmup_iterations, "measure_iterations": self.measure_iterations,

@@ -148,25 +148,45 @@ class Topology:
         links = data.get("links")
         if not isinstance(links, list):
             raise ConfigError("topology.links: give a list of links")
+        relays, groups = data.get("relays") or [], data.get("groups") or {}
+        if not isinstance(relays, list):
+            raise ConfigError(f"topology.relays: give a list of node names, got {relays!r}")
+        if not isinstance(groups, dict):
+            raise ConfigError(f"topology.groups: give a mapping of node name to group name, got {groups!r}")
         return cls(
             workers=tuple(str(w) for w in workers),
-            relays=tuple(str(r) for r in data.get("relays", []) or []),
-            groups={str(k): str(v) for k, v in (data.get("groups") or {}).items()},
+            relays=tuple(str(r) for r in relays),
+            groups={str(k): str(v) for k, v in groups.items()},
             links=tuple(link for i, entry in enumerate(links) for link in _parse_link(entry, i)),
             name=str(data.get("name", "topology")),
         )
 
 
 def load(path: str | Path) -> Topology:
-    """Read a topology file (.json, or YAML for any other suffix)."""
-    text = Path(path).read_text()
-    if str(path).endswith(".json"):
-        data = json.loads(text)
-    else:
-        import yaml
+    """Read a topology file (.json, or YAML for any other suffix); ConfigError naming the file, and
+    the line and column where it cannot be parsed, for a file that is not a topology."""
+    import yaml
 
-        data = yaml.safe_load(text)
-    return Topology.from_dict(data)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"topology file {str(path)!r}: not UTF-8 text (byte {exc.start}: {exc.reason})") from exc
+    except OSError as exc:
+        raise ConfigError(f"topology file {str(path)!r}: cannot read it ({exc.strerror or exc})") from exc
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"topology file {str(path)!r}: invalid JSON at line {exc.lineno}, column {exc.colno}: "
+                          f"{exc.msg}") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"topology file {str(path)!r}: invalid YAML{where}: "
+                          f"{getattr(exc, 'problem', None) or exc}") from exc
+    try:
+        return Topology.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"topology file {str(path)!r}: {exc}") from exc
 
 
 def parse_bandwidth(value, where: str) -> float:
