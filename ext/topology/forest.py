@@ -2,9 +2,12 @@
 
 Units. A tree's weight w is the bandwidth it occupies on each of its links, in Gbit/s (Property 2:
 its effective bandwidth). χ_v is the aggregate weight of the reduce trees rooted at v, and
-X = Σ_v χ_v. Both problem (4) and problem (8) give an all-reduce of |C| in T = 2|C|/X (Eq. (2) with
-(3a); Sec. V for (8)), so the all-reduce *throughput* |C|/T (the paper's data size over time) is X/2,
-in the links' capacity unit: with unit links, K4 → 2 means |C| bytes take |C|/2 time units.
+X = Σ_v χ_v. Problem (4) gives an all-reduce of |C| in T = 2|C|/X (Eq. (2) with (3a)): a reduce
+stage, then a broadcast stage. In problem (8) (Sec. V) the broadcast trees that share the links
+with the reduce trees run during the reduce stage; only pure broadcast trees add a second stage, so
+T = 2|C|/X with pure broadcast trees and |C|/X without. The all-reduce *throughput* |C|/T (the
+paper's data size over time) is X / stages, in the links' capacity unit: with unit links, K4 → 2
+means |C| bytes take |C|/2 time units.
 
 Data layout for execution. The buffer of `numel` elements is cut into one contiguous range C_v per
 root, |C_v| ∝ χ_v. Inside C_v, the reduce trees of v take consecutive ranges ∝ their weights, and so
@@ -69,9 +72,17 @@ class ForestPacking:
         return sum(tree.weight for tree in self.trees if tree.kind == REDUCE)
 
     @property
+    def stages(self) -> int:
+        """Consecutive stages of |C|/X each that `time` charges: 1 when every broadcast tree
+        overlaps the reduce stage (problem (8) without pure broadcast trees), else 2."""
+        overlapped = self.problem == "overlap" and not any(tree.kind == BROADCAST for tree in self.trees)
+        return 1 if overlapped else 2
+
+    @property
     def throughput(self) -> float:
-        """All-reduce throughput |C|/T = X/2 in Gbit/s (capacity units)."""
-        return self.aggregate / 2
+        """All-reduce throughput |C|/T = X / `stages` in Gbit/s (capacity units), the limit of
+        `time` for large all-reduces."""
+        return self.aggregate / self.stages
 
     @property
     def gap(self) -> float:

@@ -73,6 +73,7 @@ class _Graph:
         self.edge_id = -np.ones((self.n, self.n), dtype=np.int64)
         self.edge_id[self.src, self.dst] = np.arange(len(self.b))
         self.active = np.array([topology.index[w] for w in active])
+        self.active_names = tuple(active)
         self.spanning = len(self.active) == self.n
 
     def cost_matrix(self, y: np.ndarray, kind: str) -> np.ndarray:
@@ -94,6 +95,10 @@ def plan_forest(topology: Topology, active=None, problem: str = "overlap", prune
                 flow_bound_limit: int = FLOW_BOUND_LIMIT) -> ForestPacking:
     """Solve problem (4) (`separate`) or (8) (`overlap`) for the active workers (names; None = all).
 
+    The packing minimises what `ForestPacking.time` predicts. For (4) that is maximising X (T =
+    2|C|/X). For (8) a packing with pure broadcast trees takes 2|C|/X, and one whose broadcast trees
+    all overlap the reduce stage |C|/X, so both are solved, (8) itself and (8) without pure
+    broadcast trees, and the faster one kept (the first on a tie).
     On a symmetric topology (every link has an equal reverse) both problems have the optimum of (5):
     reversing an optimal broadcast packing gives reduce trees with the same χ_v, and (8) can never
     beat the reduce packing alone. There the master is (5) and each tree is used both ways.
@@ -106,10 +111,27 @@ def plan_forest(topology: Topology, active=None, problem: str = "overlap", prune
         raise ConfigError(f"prune must be in [0, 1), got {prune}")
     active = topology.active_workers(active)
     graph = _Graph(topology, active)
-    cut = _cut_bound(graph, problem)
-    master = _Master(graph, "single" if topology.symmetric else problem, seed_rounds)
     if max_rounds is None:
         max_rounds = int(np.clip(ROUND_BUDGET / (len(active) * len(graph.b)), 6, 1000))
+    if topology.symmetric:
+        return _solve(graph, problem, "single", prune, seed_rounds, max_rounds, flow_bound_limit)
+    packing = _solve(graph, problem, problem, prune, seed_rounds, max_rounds, flow_bound_limit)
+    if problem == "overlap" and any(tree.kind == BROADCAST for tree in packing.trees):
+        overlapped = _solve(graph, problem, OVERLAPPED_ONLY, prune, seed_rounds, max_rounds, flow_bound_limit)
+        if overlapped.throughput > packing.throughput * (1 + 1e-9):
+            return overlapped
+    return packing
+
+
+OVERLAPPED_ONLY = "overlapped_only"  # the master of (8) without pure broadcast trees
+
+
+def _solve(graph: _Graph, problem: str, master_problem: str, prune: float, seed_rounds: int, max_rounds: int,
+           flow_bound_limit: int) -> ForestPacking:
+    """One master (`master_problem`: "separate", "overlap", OVERLAPPED_ONLY or "single") solved
+    by column generation, as a packing of `problem`."""
+    cut = _cut_bound(graph, problem)
+    master = _Master(graph, master_problem, seed_rounds)
     converged = master.generate(max_rounds, cut if graph.spanning else np.inf)
     if prune > 0:
         master.prune(prune)
@@ -119,7 +141,8 @@ def plan_forest(topology: Topology, active=None, problem: str = "overlap", prune
     else:
         bound, bound_kind = _upper_bound(graph, problem, cut, master.value, flow_bound_limit)
     trees = _trees(graph, master)
-    return ForestPacking(problem, active, trees, max(bound, master.value), exact, topology.hash, bound_kind)
+    return ForestPacking(problem, graph.active_names, trees, max(bound, master.value), exact,
+                         graph.topology.hash, bound_kind)
 
 
 def max_packing(topology: Topology, active, kind: str = BROADCAST) -> float:
@@ -143,6 +166,8 @@ class _Master:
             self.kinds = {REDUCE: (0, 0), BROADCAST: (1, 1)}  # kind -> (capacity group, equality group)
         elif problem == "overlap":
             self.kinds = {REDUCE: (0, 0), OVERLAP: (0, 1), BROADCAST: (1, 1)}
+        elif problem == OVERLAPPED_ONLY:
+            self.kinds = {REDUCE: (0, 0), OVERLAP: (0, 1)}
         else:
             self.kinds = {single_kind: (0, 0)}
         self.cap_groups = 1 + max(g for g, _ in self.kinds.values())
