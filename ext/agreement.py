@@ -1,14 +1,30 @@
 """Agreement across ranks: share rank 0's value, gather every rank's, or check that every rank
-holds the same one.
+holds the same one; and naming the collective the ranks failed to meet at (`waiting_for`).
 
-Both are collectives over `process_group` (None: the default group), called at set-up time, so a
-rank configured differently fails with a message naming it instead of hanging later.
+They are collectives over `process_group` (None: the default group; gradsync passes its own group,
+created with wrap's `timeout`), so a rank configured differently fails with a message naming it
+instead of hanging later, and a rank that never comes fails its peers within the timeout.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import ConfigError, PeersTimedOut
+
+
+@contextmanager
+def waiting_for(what: str, timeout: float):
+    """Name `what` the ranks were to meet at when a collective inside fails: the backend's error for
+    a peer that did not come within `timeout` seconds (or failed, or exited) becomes PeersTimedOut."""
+    try:
+        yield
+    except PeersTimedOut:
+        raise
+    except RuntimeError as exc:  # the backends' errors (DistBackendError, gloo's and the store's timeouts)
+        raise PeersTimedOut(f"gradsync: the ranks did not all reach {what} within the timeout of {timeout:g} s "
+                            f"(a rank stalled, failed or exited): {exc}") from exc
 
 
 def share_from_first(value, process_group):

@@ -5,6 +5,11 @@ class ConfigError(ValueError):
     """A configuration value, file or argument is invalid; the message names the field."""
 
 
+class PeersTimedOut(RuntimeError):
+    """The other ranks did not all reach one of gradsync's collectives within `timeout` (one
+    stalled, failed or exited); the message names the collective."""
+
+
 def unknown_name(kind: str, name: object, valid) -> ConfigError:
     """The error for a name that is not among the valid ones, listing them."""
     return ConfigError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(valid))}")

@@ -46,7 +46,7 @@ class ScriptedSync:
         self.codec = compress.build(None)
         self.planner = planners.bind("auto")
         self.last_step_skipped = False
-        self.channels = SimpleNamespace(process_group=None)
+        self.channels = SimpleNamespace(process_group=None, timeout=60.0)
         self.installed: list[str] = []
         self.plans = {}
         self.measurement = None

@@ -237,3 +237,61 @@ def test_ranks_wrapping_with_different_settings_fail_naming_them():
         assert not left_attached
     same = [{"scheduler": "wfbp", "channels": 2, "trace": None}, {"scheduler": "wfbp", "channels": 2}]
     assert run_local(wrap_with_rank_dependent, 2, same) == [(None, False)] * 2
+
+
+STALL_TIMEOUT = 2.0  # wrap's timeout in the stall tests (seconds)
+STALL = STALL_TIMEOUT + 3.0  # how long the stalled rank sleeps: its peer gives up first
+
+
+def stalled_peer(rank, world_size, where):
+    """Rank 1 stalls (sleeps far past wrap's timeout) at `where`; rank 0 returns the error it gets
+    and how long after its own arrival there it came."""
+    import time
+
+    def stalling(function):
+        def stalled(*args, **kwargs):
+            time.sleep(STALL)
+            return function(*args, **kwargs)
+        return stalled
+
+    torch.manual_seed(0)
+    model = TiedNet()
+    arrived = time.monotonic()
+    try:
+        if where == "wrap" and rank == 1:
+            time.sleep(STALL)
+        compressor = "acp_sgd" if where == "state_dict" else None
+        model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                         compressor=compressor, profile=synthetic_profile(model), cost=COST,
+                                         timeout=STALL_TIMEOUT)
+        if rank == 1 and where == "buffers":
+            engine._broadcast_from_first = stalling(engine._broadcast_from_first)
+        if rank == 1 and where == "speed":
+            engine.slowest_over_ranks = stalling(engine.slowest_over_ranks)
+        for step in range(12):
+            arrived = time.monotonic()
+            optimizer.zero_grad()
+            tokens, targets = batch(rank, step)
+            F.cross_entropy(model(tokens), targets).backward()
+            optimizer.step()
+        if rank == 1:
+            torch.distributed.all_gather_object = stalling(torch.distributed.all_gather_object)
+        arrived = time.monotonic()
+        optimizer.state_dict()
+    except RuntimeError as failure:
+        return type(failure).__name__, str(failure), time.monotonic() - arrived
+    return None, None, time.monotonic() - arrived
+
+
+@pytest.mark.parametrize("where, named", [
+    ("wrap", "the start of gradsync.wrap"),
+    ("buffers", "the broadcast of rank 0's buffers after the backward pass"),
+    ("speed", "the compute-speed check (every 8 iterations)"),
+    ("state_dict", "state_dict's gather of every rank's error feedback"),
+])
+def test_a_peer_stalled_at_a_collective_fails_the_other_within_the_timeout_naming_it(where, named):
+    reports = run_local(stalled_peer, 2, where, return_errors=True, timeout=120)
+    status, (kind, message, seconds) = reports[0]
+    assert status == "ok" and kind == "PeersTimedOut", reports[0]
+    assert named in message and f"within the timeout of {STALL_TIMEOUT:g} s" in message
+    assert seconds < STALL_TIMEOUT + 5

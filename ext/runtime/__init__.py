@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import planners
-from ..agreement import gather_from_all, share_from_first
+from ..agreement import gather_from_all, share_from_first, waiting_for
 from ..compress import Codec
 from ..cost import CostModel
 from ..errors import ConfigError
@@ -17,7 +17,7 @@ from ..profile import ModelProfile
 from ..topology import Topology, complete
 from ..topology.allreduce import check_group_size
 from .arguments import WrapArguments, check_wrap_arguments
-from .channels import Channels
+from .channels import Channels, control_group
 from .engine import GradSync, IterationStats, _broadcast_from_first, attached, check_not_attached, no_sync
 from .executor import NonFiniteGradient
 from .layout import ParameterLayout
@@ -95,20 +95,22 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     arguments.planner(skeleton, arguments.cost or CostModel(1e-4, 1e-9))  # the planner takes this model
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
-    check_same_settings(arguments, model, process_group)
-
-    forest = _forest_topology(arguments, process_group)
-    _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], process_group)
-    channels = Channels(arguments.channels, process_group, timedelta(seconds=arguments.timeout), forest)
-    writer = ChromeTrace(arguments.trace, dist.get_rank(process_group)) if arguments.trace else None
+    channels = _meet(model, arguments, process_group)
+    try:
+        with waiting_for("the codec's seed at gradsync.wrap", arguments.timeout):
+            seed = share_from_first(random.randrange(2**62), channels.process_group)
+    except BaseException:
+        channels.destroy()
+        raise
+    writer = ChromeTrace(arguments.trace, channels.rank) if arguments.trace else None
     codec = arguments.codec
-    codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channels.world_size,
-                share_from_first(random.randrange(2**62), process_group))
+    codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channels.world_size, seed)
     sync = GradSync(model, layout, channels, arguments.planner, arguments.nonfinite,
                     arguments.broadcast_buffers, codec, writer)
     with sync.detached_on_error():
         sync.check_optimizer(optimizer)
-        cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=layout.device)
+        with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
+            cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=layout.device)
         if arguments.profile is not None:
             sync.install_plan(arguments.profile, cost)
         else:
@@ -117,6 +119,23 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
                                                   arguments.measure_iterations, type(model).__name__,
                                                   codec.steady_rounds(), arguments.plan_trials)
         return model, SyncedOptimizer(optimizer, sync)
+
+
+def _meet(model: torch.nn.Module, arguments: WrapArguments, process_group) -> Channels:
+    """gradsync's process group over the caller's ranks (every collective of gradsync bounded by
+    `timeout`), the settings check, rank 0's parameters and buffers broadcast, then the channels."""
+    timeout = timedelta(seconds=arguments.timeout)
+    group = control_group(process_group, timeout)
+    try:
+        with waiting_for("the settings check of gradsync.wrap", arguments.timeout):
+            check_same_settings(arguments, model, group)
+        forest = _forest_topology(arguments, group)
+        with waiting_for("the broadcast of rank 0's parameters and buffers at gradsync.wrap", arguments.timeout):
+            _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], group)
+        return Channels(arguments.channels, group, timeout, forest, owns_group=True)
+    except BaseException:
+        dist.destroy_process_group(group)
+        raise
 
 
 SHOWN_DIFFERENCES = 5  # fields of a settings mismatch described in the error

@@ -15,23 +15,36 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..agreement import waiting_for
 from ..errors import ConfigError
 from ..topology import Topology
 from ..topology.allreduce import ForestAllReduce
 
 
+def control_group(process_group, timeout: timedelta):
+    """A process group over the ranks of `process_group` (None: all) with `timeout`, for gradsync's
+    own collectives (settings check, broadcasts, statistics): a rank that never comes fails its
+    peers within `timeout`, whatever the caller's group allows."""
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    with waiting_for("the start of gradsync.wrap (its process group)", timeout.total_seconds()):
+        return dist.new_group(ranks, timeout=timeout)
+
+
 class Channels:
     """`count` process groups over the ranks of `process_group`; with `forest` (the topology of
     those ranks, rank i = worker i) ops travel over its forest packing instead of the backend's
-    all-reduce."""
+    all-reduce. `process_group` also carries gradsync's own collectives; with `owns_group` (a
+    `control_group`) `destroy` releases it too."""
 
     def __init__(self, count: int, process_group=None, timeout: timedelta | None = None,
-                 forest: Topology | None = None):
+                 forest: Topology | None = None, owns_group: bool = False):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"'channels' must be an integer >= 1, got {count!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call init_process_group first")
         self.process_group = process_group
+        self.owns_group = owns_group
+        self.timeout = (timeout or dist.default_pg_timeout).total_seconds()  # seconds, for messages
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self.world_size = len(ranks)
         self.rank = dist.get_rank(process_group)
@@ -71,3 +84,6 @@ class Channels:
         for group in self.groups:
             dist.destroy_process_group(group)
         self.groups = []
+        if self.owns_group:
+            dist.destroy_process_group(self.process_group)
+            self.owns_group = False

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..agreement import check_same_on_all_ranks
+from ..agreement import check_same_on_all_ranks, waiting_for
 from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
@@ -169,9 +169,10 @@ class GradSync:
             gradient_bytes=sum(p.numel() * p.element_size() for p in self.layout.parameters.values()))
 
     def _check_same_plans(self, plans: dict[str, Plan]) -> None:
-        check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",
-                                "give every rank the same model, profile, cost and options",
-                                self.channels.process_group)
+        with waiting_for("the plan hash check", self.channels.timeout):
+            check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",
+                                    "give every rank the same model, profile, cost and options",
+                                    self.channels.process_group)
 
     def check_optimizer(self, optimizer) -> None:
         self.layout.check_optimizer(optimizer)
@@ -231,7 +232,9 @@ class GradSync:
         self.backward_synced = self.gradients_held = True
         self.executor.end_backward()
         if self.broadcast_buffers:  # the next forward reads rank 0's buffers, as after DDP's synchronised
-            with self._updating():  # forwards; here every rank takes part, even if one evaluates alone next
+            # forwards; here every rank takes part, even if one evaluates alone next
+            with self._updating(), waiting_for("the broadcast of rank 0's buffers after the backward pass",
+                                               self.channels.timeout):
                 _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
         for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
             previous, self.executor = self.executor, self.executors[layout]
@@ -387,7 +390,8 @@ class GradSync:
     def _follow_compute_speed(self) -> None:
         """Rescale the predictions to the slowest rank's measured speed (a collective; every rank
         reaches it at the same iteration)."""
-        ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, self.layout.device)
+        with waiting_for("the compute-speed check (every 8 iterations)", self.channels.timeout):
+            ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, self.layout.device)
         if self.speed.rescale(ratio):
             self.predictions = {}
 
@@ -401,7 +405,8 @@ class GradSync:
                  "shared": shared, "per_rank": None}
         if self.codec.per_rank_state:
             gathered = [None] * self.channels.world_size
-            dist.all_gather_object(gathered, per_rank, group=self.channels.process_group)
+            with waiting_for("state_dict's gather of every rank's error feedback", self.channels.timeout):
+                dist.all_gather_object(gathered, per_rank, group=self.channels.process_group)
             state["per_rank"] = gathered
         return state
 

@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..agreement import gather_from_all
+from ..agreement import gather_from_all, waiting_for
 from ..cost import CostModel
 from ..plan import BACKWARD, Op, Plan, Slice
 from ..planners import BoundPlanner, chosen_planner, one_bucket
@@ -384,8 +384,9 @@ class ProfileCalibration(Measurement):
         (`slowest_times`), on every rank; each rank's own is kept in `sync.rank_profiles`."""
         timed_plan = sync.plans[sync.rounds_now[0]]  # the plan whose ops launched in the timed backward passes
         profile = without_host(self.timer.profile(self.name, _median(self.update_samples)), timed_plan, self.cost.host)
-        sync.rank_profiles = [ModelProfile.from_dict(data)
-                              for data in gather_from_all(profile.to_dict(), sync.channels.process_group)]
+        with waiting_for("the gather of the ranks' layer times", sync.channels.timeout):
+            gathered = gather_from_all(profile.to_dict(), sync.channels.process_group)
+        sync.rank_profiles = [ModelProfile.from_dict(data) for data in gathered]
         return slowest_times(sync.rank_profiles)
 
 
@@ -498,7 +499,8 @@ class PlanTrials(Measurement):
         trial whose plans run now."""
         slowest = torch.tensor([_median(samples) for samples in self.samples], dtype=torch.float64,
                                device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
+        with waiting_for("the plan trials' result", sync.channels.timeout):
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=sync.channels.process_group)
         medians = slowest.tolist()
         fastest = kept_trial(medians, sync.planner.tolerance)
         if fastest != installed:
