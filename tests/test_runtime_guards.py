@@ -1,6 +1,7 @@
 """Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
 into the forward of tied weights, dtype mixes the planners cannot separate, failed wraps."""
 import copy
+import os
 
 import pytest
 import torch
@@ -295,3 +296,27 @@ def test_a_peer_stalled_at_a_collective_fails_the_other_within_the_timeout_namin
     assert status == "ok" and kind == "PeersTimedOut", reports[0]
     assert named in message and f"within the timeout of {STALL_TIMEOUT:g} s" in message
     assert seconds < STALL_TIMEOUT + 5
+
+
+def test_the_survivor_of_a_killed_peer_exits_within_the_timeout_after_its_error():
+    """Rank 1 is killed (SIGKILL) mid-training, each rank its own process as under torchrun: rank 0
+    raises, and its process is gone within the timeout of that error."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from gradsync.launch import free_port
+
+    timeout = 5.0
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "GLOO_SOCKET_IFNAME": "lo"}
+    job = str(Path(__file__).with_name("killed_peer_job.py"))
+    ranks = [subprocess.Popen([sys.executable, job, str(timeout)], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    output, errors = ranks[0].communicate(timeout=120)
+    exited = time.time()
+    ranks[1].wait(timeout=60)
+    assert ranks[1].returncode == -9 and ranks[0].returncode == 3, errors[-2000:]
+    failed_at = float(output.split("error at ")[1].split(":")[0])
+    assert exited - failed_at < timeout, (exited - failed_at)
