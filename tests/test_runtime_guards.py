@@ -245,9 +245,12 @@ STALL = STALL_TIMEOUT + 3.0  # how long the stalled rank sleeps: its peer gives 
 
 
 def stalled_peer(rank, world_size, where):
-    """Rank 1 stalls (sleeps far past wrap's timeout) at `where`; rank 0 returns the error it gets
-    and how long after its own arrival there it came."""
+    """Rank 1 stalls (sleeps past wrap's timeout) at `where` (STALL_POINTS); rank 0 returns the
+    error it gets and how long after the start of wrap or of the iteration it came."""
     import time
+
+    from gradsync import runtime
+    from gradsync.runtime import measure
 
     def stalling(function):
         def stalled(*args, **kwargs):
@@ -255,27 +258,26 @@ def stalled_peer(rank, world_size, where):
             return function(*args, **kwargs)
         return stalled
 
+    modules = {"runtime": runtime, "engine": engine, "measure": measure, "PlanTrials": measure.PlanTrials}
+    module, attribute, options = STALL_POINTS[where]
+    if rank == 1 and module is not None:
+        setattr(modules[module], attribute, stalling(getattr(modules[module], attribute)))
     torch.manual_seed(0)
     model = TiedNet()
     arrived = time.monotonic()
     try:
         if where == "wrap" and rank == 1:
             time.sleep(STALL)
-        compressor = "acp_sgd" if where == "state_dict" else None
-        model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
-                                         compressor=compressor, profile=synthetic_profile(model), cost=COST,
-                                         timeout=STALL_TIMEOUT)
-        if rank == 1 and where == "buffers":
-            engine._broadcast_from_first = stalling(engine._broadcast_from_first)
-        if rank == 1 and where == "speed":
-            engine.slowest_over_ranks = stalling(engine.slowest_over_ranks)
-        for step in range(12):
+        settings = {"scheduler": "wfbp", "profile": synthetic_profile(model), "cost": COST, **options}
+        model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=STALL_TIMEOUT,
+                                         warmup_iterations=0, measure_iterations=1, **settings)
+        for step in range(30):
             arrived = time.monotonic()
             optimizer.zero_grad()
             tokens, targets = batch(rank, step)
             F.cross_entropy(model(tokens), targets).backward()
             optimizer.step()
-        if rank == 1:
+        if rank == 1 and where == "state_dict":
             torch.distributed.all_gather_object = stalling(torch.distributed.all_gather_object)
         arrived = time.monotonic()
         optimizer.state_dict()
@@ -284,17 +286,35 @@ def stalled_peer(rank, world_size, where):
     return None, None, time.monotonic() - arrived
 
 
-@pytest.mark.parametrize("where, named", [
-    ("wrap", "the start of gradsync.wrap"),
-    ("buffers", "the broadcast of rank 0's buffers after the backward pass"),
-    ("speed", "the compute-speed check (every 8 iterations)"),
-    ("state_dict", "state_dict's gather of every rank's error feedback"),
-])
-def test_a_peer_stalled_at_a_collective_fails_the_other_within_the_timeout_naming_it(where, named):
+# where rank 1 stalls: (module, function delayed there, wrap options), and the collective named
+STALL_POINTS = {
+    "wrap": (None, None, {}),
+    "settings": ("runtime", "check_same_settings", {}),
+    "parameters": ("runtime", "_broadcast_from_first", {}),
+    "seed": ("runtime", "share_from_first", {}),
+    "plan hash": ("engine", "check_same_on_all_ranks", {}),
+    "probes": ("runtime", "measure_cost", {"cost": "measure"}),
+    "layer times": ("measure", "gather_from_all", {"profile": "measure"}),
+    "trials": ("PlanTrials", "_keep_fastest", {"scheduler": "auto", "profile": "measure"}),
+    "buffers": ("engine", "_broadcast_from_first", {}),
+    "speed": ("engine", "slowest_over_ranks", {}),
+    "state_dict": (None, None, {"compressor": "acp_sgd"}),
+}
+NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check of gradsync.wrap",
+         "parameters": "the broadcast of rank 0's parameters and buffers at gradsync.wrap",
+         "seed": "the codec's seed at gradsync.wrap", "plan hash": "the plan hash check",
+         "probes": "the network probes at gradsync.wrap", "layer times": "the gather of the ranks' layer times",
+         "trials": "the plan trials' result", "buffers": "the broadcast of rank 0's buffers after the backward pass",
+         "speed": "the compute-speed check (every 8 iterations)",
+         "state_dict": "state_dict's gather of every rank's error feedback"}
+
+
+@pytest.mark.parametrize("where", list(STALL_POINTS))
+def test_a_peer_stalled_at_a_collective_fails_the_other_within_the_timeout_naming_it(where):
     reports = run_local(stalled_peer, 2, where, return_errors=True, timeout=120)
     status, (kind, message, seconds) = reports[0]
     assert status == "ok" and kind == "PeersTimedOut", reports[0]
-    assert named in message and f"within the timeout of {STALL_TIMEOUT:g} s" in message
+    assert NAMED[where] in message and f"within the timeout of {STALL_TIMEOUT:g} s" in message, message
     assert seconds < STALL_TIMEOUT + 5
 
 
