@@ -124,8 +124,9 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
 
 
 def steady_layouts(codec: Codec) -> list[str]:
-    """The layouts the codec sends once warmed up (ACP-SGD: P and Q, not the uncompressed one)."""
-    return sorted({layout for rounds in codec.steady_rounds() for layout in rounds})
+    """The layouts the codec sends once warmed up, in sending order (ACP-SGD: P then Q, not the
+    uncompressed one)."""
+    return list(dict.fromkeys(layout for rounds in codec.steady_rounds() for layout in rounds))
 
 
 def steady_hashes(layout_plans: dict[str, LayoutPlan], codec: Codec) -> tuple[str, ...]:

@@ -105,8 +105,10 @@ class IterationTimer(pl.Callback):
     def on_train_batch_end(self, trainer, _module, _outputs, _batch, _index) -> None:
         self.step_times.append(time.perf_counter() - self.started)
         self.runtime = self.runtime_of(trainer) or self.runtime
+        if self.steady_step is not None:
+            return
         report = None if self.runtime is None else self.runtime.report()
-        if self.steady_step is None and (report is None or not report.measuring):
+        if report is None or not report.measuring:
             self.steady_step = len(self.step_times)
             self.steady_iteration = None if report is None else report.iteration
 

@@ -122,9 +122,14 @@ def store_strategy(name: str, codec: compress.CodecSpec | None = None) -> None:
     ConfigStore.instance().store(group="strategy", name=name, node=StrategyConfig(name=name, compressor=compressor))
 
 
-def store_compressor(codec: compress.CodecSpec) -> None:
-    """The option `codec.name` of the group ``strategy/compressor``: a compressor for any strategy
-    (``strategy=us_byte +strategy/compressor=acp_sgd``)."""
+def store_codec(codec: compress.CodecSpec) -> None:
+    """A compressor that has a strategy: that strategy's option, and the option `codec.name` of the
+    group ``strategy/compressor``, a compressor for any strategy (``strategy=us_byte
+    +strategy/compressor=acp_sgd``)."""
+    entry = codec_entry(codec)
+    if entry is None:
+        return
+    store_strategy(entry[0], codec)
     ConfigStore.instance().store(group="strategy/compressor", name=codec.name, node=codec_config(codec),
                                  package="strategy.compressor")
 
@@ -134,8 +139,7 @@ def store_compressor(codec: compress.CodecSpec) -> None:
 ConfigStore.instance().store(group="strategy", name="ddp", node=StrategyConfig(name="ddp"))
 store_strategy(FOREST[0])
 planners.registry.subscribe(lambda spec: store_strategy(planner_entry(spec)[0]))
-compress.registry.subscribe(lambda spec: codec_entry(spec) and store_strategy(codec_entry(spec)[0], spec))
-compress.registry.subscribe(lambda spec: spec.strategy and store_compressor(spec))
+compress.registry.subscribe(store_codec)
 
 
 def strategy_names() -> list[str]:

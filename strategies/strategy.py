@@ -53,6 +53,7 @@ class GradSyncOverrides:
         self.compressor = compressor
         self.gradsync_options = options
         self.runtime = None  # the GradSync attached to the LightningModule while fitting
+        self.logged_iteration = -1  # the last iteration whose statistics were logged
 
     # -- no DistributedDataParallel --------------------------------------------------------------
     def _setup_model(self, model):
@@ -71,6 +72,7 @@ class GradSyncOverrides:
         model, synced = wrap(self.lightning_module, self.optimizers[0], self.scheduler, self.compressor,
                              **self._wrap_options())
         self.runtime = attached(model)
+        self.logged_iteration = -1
         # gradients are local until gradsync's ops finish: when code between the backward pass and the
         # step may read them, the backward pass ends once they are averaged, as DDP's does (this gives
         # up overlapping forward-phase ops with the next forward)
@@ -126,10 +128,10 @@ class GradSyncOverrides:
     # -- per-iteration statistics ------------------------------------------------------------------
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Step, then log the iteration's statistics (none when a GradScaler skipped the step)."""
-        iterations = self.runtime.report().iteration
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         report = self.runtime.report()
-        if report.iteration > iterations:
+        if report.latest is not None and report.latest.iteration > self.logged_iteration:
+            self.logged_iteration = report.latest.iteration
             self._log_stats(report.latest, report.gradient_bytes)
         return output
 

@@ -23,7 +23,7 @@ from gradsync.launch import run_local
 from gradsync.planners import PlannerSpec
 from gradsync.profile import zoo
 from gradsync.runtime import attached
-from runtime_models import TiedNet, batch, distance
+from runtime_models import TiedNet, distance, train_side_by_side
 
 PLUGINS = Path(__file__).with_name("plugins")
 
@@ -84,12 +84,7 @@ def plugin_trains_like_ddp(rank, world_size):
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=NAME,
                                      layers_per_op=3, warmup_iterations=0, measure_iterations=1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(8):
-        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
-            stepper.zero_grad()
-            tokens, targets = batch(rank, step)
-            F.cross_entropy(network(tokens, use_rank0_branch=rank == 0), targets).backward()
-            stepper.step()
+    train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, 8)
     optimizer.synchronize()
     sync = attached(model)
     layers = sum(1 for layer in sync.profile.layers if layer.tensors)

@@ -104,8 +104,7 @@ class BoundPlanner:
         """A choosing planner restricted to each of its candidates in turn (none otherwise)."""
         if not self.chooses:
             return []
-        pool = self.options.get("candidates") or [s.name for s in registry if not s.chooses]
-        return [self.with_options(candidates=(name,)) for name in pool]
+        return [self.with_options(candidates=(name,)) for name in self.options.get("candidates") or candidates()]
 
     def described(self) -> str:
         """Its name and given options, for messages and reports."""
@@ -117,6 +116,11 @@ def _builtins() -> list[PlannerSpec]:
 
 
 registry: Registry[PlannerSpec] = Registry("scheduler", "gradsync.planners", _builtins)
+
+
+def candidates() -> list[str]:
+    """The planners a choosing planner picks among by default: every one that does not choose."""
+    return [spec.name for spec in registry if not spec.chooses]
 
 
 def register(spec: PlannerSpec, replace: bool = False) -> PlannerSpec:
@@ -163,5 +167,6 @@ def chosen_planner(plan: Plan) -> str:
     return plan.options.get("chosen", plan.planner)
 
 
-__all__ = ["BoundPlanner", "OVERLAP_FORWARD", "PlannerSpec", "bind", "chosen_planner", "get", "names", "one_bucket",
+__all__ = ["BoundPlanner", "OVERLAP_FORWARD", "PlannerSpec", "bind", "candidates", "chosen_planner", "get", "names",
+           "one_bucket",
            "option_names", "register", "registry", "spec"]

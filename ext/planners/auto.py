@@ -11,6 +11,7 @@ from ..profile import ModelProfile
 from ..registry import Option, fraction, optional_flag, optional_positive_int
 from ..simulate import simulate
 from . import PlannerSpec, bind, registry
+from . import candidates as default_candidates
 
 
 def plan(profile: ModelProfile, cost: CostModel, *, candidates: tuple[str, ...] | None, tolerance: float,
@@ -28,9 +29,8 @@ def plan(profile: ModelProfile, cost: CostModel, *, candidates: tuple[str, ...] 
     also win by `tolerance`. Not the default: on the emulated cluster the deferred plans ran 5.8%
     slower than the same plans waited for at the step (median over 16 pairs) where the simulator
     predicted them about 5% faster (benchmarks/REPRODUCTION.md)."""
-    pool = candidates or [spec.name for spec in registry if not spec.chooses]
     best: tuple[float, Plan] | None = None
-    for name in pool:
+    for name in candidates or default_candidates():
         fitted = {"channels": channels} if channels is not None and registry.get(name).takes_channels else {}
         if overlap_forward is not None:
             fitted["overlap_forward"] = overlap_forward
@@ -51,7 +51,7 @@ def plan(profile: ModelProfile, cost: CostModel, *, candidates: tuple[str, ...] 
 def planner_names(value) -> str | None:
     """None for a non-empty list of planners that do not choose themselves (or None), else what
     `candidates` must be."""
-    pool = [spec.name for spec in registry if not spec.chooses]
+    pool = default_candidates()
     if value is None or (isinstance(value, Sequence) and not isinstance(value, str) and value
                          and all(name in pool for name in value)):
         return None

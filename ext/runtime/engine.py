@@ -33,7 +33,7 @@ from ..cost import CostModel
 from ..errors import ConfigError
 from ..compress import Codec
 from ..planners import BoundPlanner
-from ..planning import StepPrediction, at_compute_scale, plan_layouts, step_prediction
+from ..planning import StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
 from ..plan import Plan
 from ..profile import ModelProfile
 from .channels import Channels
@@ -73,6 +73,7 @@ class GradSync:
         self.channels = channels
         self.codec = codec
         self.planner = planner  # the user's scheduler (the calibration and trials install others)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in layout.parameters.values())
         self.nonfinite = nonfinite
         self.broadcast_buffers = broadcast_buffers
         self.trace = trace
@@ -162,11 +163,10 @@ class GradSync:
             scheduler=self.planner.described(), compressor=self.codec.name,
             layouts={layout: LayoutReport(layout, entry.plan, entry.wire, self.cost)
                      for layout, entry in self.layout_plans.items()},
-            steady_layouts=tuple(dict.fromkeys(layout for rounds in self.codec.steady_rounds() for layout in rounds)),
+            steady_layouts=tuple(steady_layouts(self.codec)),
             measuring=self.measurement is not None,
             trials=None if self.trial_times is None else tuple(self.trial_times),
-            iteration=self.iteration, history=tuple(self.history),
-            gradient_bytes=sum(p.numel() * p.element_size() for p in self.layout.parameters.values()))
+            iteration=self.iteration, history=tuple(self.history), gradient_bytes=self.gradient_bytes)
 
     def _check_same_plans(self, plans: dict[str, Plan]) -> None:
         with waiting_for("the plan hash check", self.channels.timeout):
