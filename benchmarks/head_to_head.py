@@ -48,7 +48,7 @@ import gradsync
 from gradsync.launch import RankFailed
 from gradsync.runtime import attached
 from gradsync.runtime.channels import Channels
-from gradsync.runtime.measure import measure_cost
+from gradsync.runtime.measure.probes import measure_cost
 from gradsync.topology import Topology, load, preset
 
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, from_topology, launch, netbed, uniform
@@ -214,7 +214,7 @@ class Variant:
         if timed:
             self.seconds.append(elapsed / iterations)
             if self.gradsync:
-                recent = list(itertools.islice(reversed(attached(self.model).history), iterations))
+                recent = list(itertools.islice(reversed(attached(self.model).clock.history), iterations))
                 self.comm_wait.append(sum(s.comm_wait for s in recent) / iterations)
                 self.codec.append(sum(s.codec_time for s in recent) / iterations)
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
@@ -240,9 +240,10 @@ class Variant:
         if self.gradsync:
             sync = attached(self.model)
             report["plan"] = sync.plan.options.get("chosen")  # what `auto` picked
-            report["trials"] = sync.trial_times  # the plans `auto` timed, if any
-            report["replay"] = replay_record(sync.layout_plans, sync.codec.steady_rounds(), sync.cost,
-                                             sync.rank_profiles, self.compute_scales)
+            installed = sync.installed
+            report["trials"] = installed.trial_times  # the plans `auto` timed, if any
+            report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
+                                             installed.rank_profiles, self.compute_scales)
         return report
 
 

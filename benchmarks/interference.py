@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gradsync.runtime.channels import Channels
-from gradsync.runtime.measure import measure_cost, measure_host, slowdowns_of
+from gradsync.runtime.measure.probes import measure_cost, measure_host, slowdowns_of
 
 from benchmarks.head_to_head import WORKLOADS
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform

@@ -61,7 +61,7 @@ def worker(rank: int, world_size: int, iterations: int, warmup: int):
             optimizer.step()
             if iteration >= warmup:
                 times[name].append(time.perf_counter() - started)
-    predicted = {name: attached(variants[name]).prediction(("plain",)).time for name in SCHEDULERS}
+    predicted = {name: attached(variants[name]).installed.prediction(("plain",)).time for name in SCHEDULERS}
     ops = {name: len(attached(variants[name]).plan.ops) for name in SCHEDULERS}
     for name in SCHEDULERS:
         attached(variants[name]).detach()

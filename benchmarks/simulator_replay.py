@@ -23,7 +23,7 @@ from gradsync.planning import LayoutPlan, at_compute_scale, predict_steady
 from gradsync.cost import CostModel
 from gradsync.plan import Plan
 from gradsync.profile import ModelProfile
-from gradsync.runtime.measure import slowest_times
+from gradsync.runtime.measure.layers import slowest_times
 
 DEFAULT_RECORD = Path(__file__).parent / "results" / "head_to_head.json"
 RANKS_IN_TITLE = re.compile(r", (\d+) ranks, ")  # a setting's title (benchmarks.head_to_head.Setting.title)

@@ -8,7 +8,7 @@ from .compress.codec import Codec
 from .compress.wire import codec_seconds, wire_profile
 from .cost import CostModel
 from .plan import Plan
-from .planners import BoundPlanner
+from .planners import BoundPlanner, chosen_label
 from .profile import LayerProfile, ModelProfile
 from .simulate import simulate
 
@@ -102,19 +102,32 @@ def predict_cycle(profile: ModelProfile, cost: CostModel, planner: BoundPlanner,
     return layout_plans, predict_steady(layout_plans, codec.steady_rounds(), cost)
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """A plan worth timing: the bound planner, the planner(s) its steady plans come from
+    (``chosen_label``) and its mean predicted step time over the codec's steady cycle."""
+
+    planner: BoundPlanner
+    label: str
+    predicted: float
+
+
 def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner,
-                      count: int) -> list[BoundPlanner]:
+                      count: int) -> list[Alternative]:
     """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: the
     planner itself (its own choice), then the planner restricted to one candidate each
     (`BoundPlanner.alternatives`), best predicted cycle time first, skipping any whose steady
     layouts' plans equal those of one already listed. `codec` must be set up."""
-    seen = {steady_hashes(plan_layouts(profile, cost, planner, codec), codec)}
-    ranked = []
-    for single in planner.alternatives():
-        layout_plans, predicted = predict_cycle(profile, cost, single, codec)
-        ranked.append((predicted, single.described(), single, steady_hashes(layout_plans, codec)))
-    alternatives = [planner]
-    for _, _, single, hashes in sorted(ranked, key=lambda item: (item[0], item[1])):
+    def alternative(bound: BoundPlanner) -> tuple[Alternative, tuple[str, ...]]:
+        layout_plans, predicted = predict_cycle(profile, cost, bound, codec)
+        steady = [layout_plans[layout].plan for layout in steady_layouts(codec)]
+        return Alternative(bound, chosen_label(steady), predicted), tuple(plan.hash for plan in steady)
+
+    own, own_hashes = alternative(planner)
+    ranked = sorted((alternative(single) for single in planner.alternatives()),
+                    key=lambda item: (item[0].predicted, item[0].planner.described()))
+    alternatives, seen = [own], {own_hashes}
+    for single, hashes in ranked:
         if len(alternatives) >= count:
             break
         if hashes not in seen:
@@ -127,8 +140,3 @@ def steady_layouts(codec: Codec) -> list[str]:
     """The layouts the codec sends once warmed up, in sending order (ACP-SGD: P then Q, not the
     uncompressed one)."""
     return list(dict.fromkeys(layout for rounds in codec.steady_rounds() for layout in rounds))
-
-
-def steady_hashes(layout_plans: dict[str, LayoutPlan], codec: Codec) -> tuple[str, ...]:
-    """The hashes of the plans of the steady layouts: what running these plans means in the long run."""
-    return tuple(layout_plans[layout].plan.hash for layout in steady_layouts(codec))

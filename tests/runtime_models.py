@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradsync import CostModel
-from gradsync.runtime.layout import ParameterLayout
+from gradsync.runtime.parameter_table import ParameterTable
 
 VOCAB, WIDTH, LENGTH, BATCH = 24, 16, 10, 6
 
@@ -60,11 +60,11 @@ def distance(model: nn.Module, reference: nn.Module) -> float:
 
 def synthetic_profile(model: nn.Module):
     """Forward order of TiedNet with made-up times (ms scale), so planners build varied plans."""
-    layout = ParameterLayout.of(model)
+    table = ParameterTable.of(model)
     order = ["embed", "conv", "norm", "rank0_only", "mix", "head", "unused"]
-    forward = {m: 1e-3 for m in layout.owners}
+    forward = {m: 1e-3 for m in table.owners}
     backward = {m: 2e-3 * (1 + i % 3) for i, m in enumerate(order)}
-    return layout.profile("tiednet", order, forward, backward)
+    return table.profile("tiednet", order, forward, backward)
 
 
 COST = CostModel(1e-3, 1e-7, gamma=1.3)

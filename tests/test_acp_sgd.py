@@ -16,7 +16,7 @@ from gradsync.compress.orthogonalize import orthogonalize
 from gradsync.launch import run_local
 from gradsync.profile import TensorSpec
 from gradsync.runtime import attached
-from gradsync.runtime.layout import ParameterLayout
+from gradsync.runtime.parameter_table import ParameterTable
 
 COST = CostModel(1e-4, 1e-9)
 
@@ -153,8 +153,8 @@ def square_net():
 
 
 def profile_of(model):
-    layout = ParameterLayout.of(model)
-    return layout.profile("net", None, {m: 1e-3 for m in layout.owners}, {m: 2e-3 for m in layout.owners})
+    table = ParameterTable.of(model)
+    return table.profile("net", None, {m: 1e-3 for m in table.owners}, {m: 2e-3 for m in table.owners})
 
 
 def data(rank, step):
@@ -250,8 +250,8 @@ def wire_bytes(rank, world_size):
                                      compressor={"type": "acp_sgd", "rank": 4}, profile=profile_of(model),
                                      cost=COST)
     sync = attached(model)
-    sizes = {layout: executor.wire_bytes() for layout, executor in sync.executors.items()}
-    ops = {layout: len(plan.ops) for layout, plan in sync.plans.items()}
+    sizes = {layout: executor.wire_bytes() for layout, executor in sync.installed.executors.items()}
+    ops = {layout: len(plan.ops) for layout, plan in sync.installed.plans.items()}
     sync.detach()
     return sizes, ops
 

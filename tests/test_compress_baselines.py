@@ -333,8 +333,8 @@ def wire_bytes_and_flags(compressor) -> dict:
     one per op)."""
     model, _ = wrapped(compressor)
     sync = attached(model)
-    result = {layout: (executor.wire_bytes(), sum(len(op.tensors()) + 1 for op in sync.plans[layout].ops))
-              for layout, executor in sync.executors.items()}
+    result = {layout: (executor.wire_bytes(), sum(len(op.tensors()) + 1 for op in sync.installed.plans[layout].ops))
+              for layout, executor in sync.installed.executors.items()}
     sync.detach()
     return result
 

@@ -11,7 +11,7 @@ from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.runtime import attached
 from gradsync.runtime.compute_speed import ComputeSpeed
-from gradsync.runtime.layout import ParameterLayout
+from gradsync.runtime.parameter_table import ParameterTable
 from runtime_models import COST
 
 
@@ -52,9 +52,9 @@ class PacedNet(nn.Module):
 
 def paced_profile(model: PacedNet):
     """1 ms forward and 2 ms backward per layer: far from the paced model's real times."""
-    layout = ParameterLayout.of(model)
-    return layout.profile("paced", ["first", "second"], {m: 1e-3 for m in layout.owners},
-                          {m: 2e-3 for m in layout.owners})
+    table = ParameterTable.of(model)
+    return table.profile("paced", ["first", "second"], {m: 1e-3 for m in table.owners},
+                          {m: 2e-3 for m in table.owners})
 
 
 def paced_training(rank, world_size, pauses):
@@ -67,20 +67,20 @@ def paced_training(rank, world_size, pauses):
     wrapped, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
                                        profile=paced_profile(model), cost=COST)
     sync = attached(wrapped)
-    window = sync.speed.window
+    window = sync.installed.speed.window
     generator = torch.Generator().manual_seed(rank)
     x, y = torch.randn(4, 8, generator=generator), torch.randint(0, 4, (4,), generator=generator)
     phases = []
     for phase, pause in enumerate(pauses):
         model.pause = pause * (3 if rank == 1 and phase > 0 else 1)
         for _ in range(3 * window):
-            scale_of_this_prediction = sync.speed.scale
+            scale_of_this_prediction = sync.installed.speed.scale
             optimizer.zero_grad()
             F.cross_entropy(wrapped(x), y).backward()
             optimizer.step()
-        recent = sorted(stats.busy_time for stats in list(sync.history)[-window:])
-        phases.append((recent[window // 2], sync.speed.scale, sync.prediction(sync.rounds_now).busy,
-                       sync.history[-1].compute_scale, scale_of_this_prediction, sync.plan.hash))
+        recent = sorted(stats.busy_time for stats in list(sync.clock.history)[-window:])
+        phases.append((recent[window // 2], sync.installed.speed.scale, sync.installed.prediction(sync.rounds_now).busy,
+                       sync.clock.history[-1].compute_scale, scale_of_this_prediction, sync.plan.hash))
     sync.detach()
     return phases
 

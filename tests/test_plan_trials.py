@@ -8,12 +8,14 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync import compress, planners
-from gradsync.planning import plan_alternatives, predict_cycle, steady_layouts
+from gradsync.planning import Alternative, plan_alternatives, predict_cycle
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.profile import zoo
-from gradsync.runtime import attached, measure
-from gradsync.runtime.measure import PlanTrials, kept_trial, trial_order
+from gradsync.runtime import attached
+from gradsync.runtime.measure import TrialsDone
+from gradsync.runtime.measure import trials as trials_module
+from gradsync.runtime.measure.trials import PlanTrials, kept_trial, trial_order
 from runtime_models import TiedNet, batch
 
 
@@ -37,42 +39,30 @@ def test_trial_order_alternates_direction(count, rounds, order):
     assert trial_order(count, rounds) == order
 
 
-class ScriptedSync:
-    """The parts of a GradSync that PlanTrials uses; a plan is named by its planner's first
-    candidate (auto's own choice, without candidates, is "auto's")."""
-
-    def __init__(self):
-        self.layout = SimpleNamespace(device=torch.device("cpu"))
-        self.codec = compress.build(None)
-        self.planner = planners.bind("auto")
-        self.last_step_skipped = False
-        self.channels = SimpleNamespace(process_group=None, timeout=60.0)
-        self.installed: list[str] = []
-        self.plans = {}
-        self.measurement = None
-        self.trial_times = None
-
-    def install_plan(self, profile, cost, planner=None):
-        name = planner.options.get("candidates", ("auto's",))[0]
-        self.installed.append(name)
-        self.plans = {layout: SimpleNamespace(planner="auto", options={"chosen": name})
-                      for layout in steady_layouts(self.codec)}
-
-
 def trials_under_drift(rank, world_size, seconds: dict, drift: float):
     """PlanTrials on a scripted job whose plan `name` takes `seconds[name]` plus `drift` more at
-    every iteration (the host slowing down steadily); what was installed and timed."""
-    sync, clock = ScriptedSync(), {"now": 0.0}
-    measure._now = lambda device: clock["now"]
-    restricted = [planners.bind("auto", candidates=(name,)) for name in list(seconds)[1:]]
-    alternatives = [planners.bind("auto"), *restricted]
-    sync.measurement = PlanTrials(sync, None, None, alternatives, iterations=2)
-    iteration = 0
-    while sync.measurement is not None:
-        clock["now"] += seconds[sync.installed[-1]] + drift * iteration
-        iteration += 1
-        sync.measurement.iteration_done(sync)
-    return {"installed": sync.installed, "trials": sync.trial_times, "iterations": iteration}
+    every iteration (the host slowing down steadily); what was installed and timed. A plan is
+    named by its planner's first candidate (auto's own choice, without candidates, is "auto's")."""
+    clock = {"now": 0.0}
+    trials_module.now = lambda device: clock["now"]
+    names = list(seconds)
+    alternatives = [Alternative(planners.bind("auto"), names[0], 0.0)]
+    alternatives += [Alternative(planners.bind("auto", candidates=(name,)), name, 0.0) for name in names[1:]]
+    group = SimpleNamespace(process_group=None, timeout=60.0)
+    trials = PlanTrials(None, alternatives, 2, planners.bind("auto").tolerance, group, torch.device("cpu"))
+    def name_of(planner):
+        return next(alternative.label for alternative in alternatives if alternative.planner == planner)
+
+    installed = [name_of(trials.first.planner)]
+    done = SimpleNamespace(skipped=False)
+    for iteration in range(100):
+        clock["now"] += seconds[installed[-1]] + drift * iteration
+        request = trials.iteration_done(done)
+        if request is not None and request.planner is not None:
+            installed.append(name_of(request.planner))
+        if isinstance(request, TrialsDone):
+            return {"installed": installed, "trials": request.times, "iterations": iteration + 1}
+    raise AssertionError("the trials did not end")
 
 
 def test_trials_visit_plans_both_ways_so_a_drifting_host_ranks_them_right():
@@ -97,7 +87,8 @@ def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor
     cost = CostModel.preset("asc-wfbp-10gbe", 8)
     codec = compress.build(compressor)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
-    alternatives = plan_alternatives(profile, cost, codec, planners.bind("auto"), 4)
+    alternatives = [alternative.planner for alternative in plan_alternatives(profile, cost, codec,
+                                                                             planners.bind("auto"), 4)]
     assert alternatives[0] == planners.bind("auto") and len(alternatives) == 4
     # brute force: every candidate's predicted cycle and the plans it runs once warmed up (the
     # uncompressed warm-up layout does not make two plans different)
@@ -136,7 +127,7 @@ def training_with_trials(rank, world_size):
     optimizer.synchronize()
     sync = attached(model)
     error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    result = {"error": error, "trials": sync.trial_times, "chosen": sync.plan.options["chosen"],
+    result = {"error": error, "trials": sync.installed.trial_times, "chosen": sync.plan.options["chosen"],
               "measuring": sync.measurement is not None}
     sync.detach()
     return result

@@ -87,7 +87,7 @@ def plugin_trains_like_ddp(rank, world_size):
     train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, 8)
     optimizer.synchronize()
     sync = attached(model)
-    layers = sum(1 for layer in sync.profile.layers if layer.tensors)
+    layers = sum(1 for layer in sync.installed.profile.layers if layer.tensors)
     result = (distance(model, reference), sync.plan.planner, sync.plan.options, len(sync.plan.ops), layers)
     sync.detach()
     return result

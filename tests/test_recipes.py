@@ -368,7 +368,7 @@ def test_the_breakdown_takes_medians_of_the_forward_to_step_times_and_the_mean_o
     from types import SimpleNamespace
 
     from gradsync.recipes.lightning_module import IterationTimer
-    from gradsync.runtime.engine import IterationStats
+    from gradsync.runtime.statistics import IterationStats
 
     # four steady iterations of a P/Q codec cycle, each with 3 ms between steps (not the model's
     # forward to step: its busy time plus the communication wait); the third spans an evaluation

@@ -36,14 +36,14 @@ def reports_over_training(rank, world_size):
         frozen = False
     except dataclasses.FrozenInstanceError:
         frozen = True
-    timelines_match = all(entry.timeline.iteration_time == simulate(entry.plan, entry.wire, sync.cost).iteration_time
+    timelines_match = all(entry.timeline.iteration_time == simulate(entry.plan, entry.wire, sync.installed.cost).iteration_time
                           for entry in settled.layouts.values())
-    hashes_match = all(entry.plan.hash == sync.plans[layout].hash for layout, entry in settled.layouts.items())
+    hashes_match = all(entry.plan.hash == sync.installed.plans[layout].hash for layout, entry in settled.layouts.items())
     trainable = {id(p): p for p in model.parameters() if p.requires_grad}
     result = {
         "early": (early.measuring, early.iteration, early.latest, {e.plan.planner for e in early.layouts.values()}),
         "steps": step, "iteration": settled.iteration, "history": len(settled.history),
-        "latest_is_last": settled.latest == sync.history[-1],
+        "latest_is_last": settled.latest == sync.clock.history[-1],
         "steady_layouts": settled.steady_layouts, "steady": settled.steady.layout,
         "layouts": sorted(settled.layouts), "chosen": settled.chosen,
         "trials": [label for label, _ in settled.trials or ()],

@@ -10,7 +10,7 @@ from torch.distributed import ProcessGroupGloo
 
 import gradsync
 from gradsync import ConfigError, CostModel
-from gradsync.runtime import attached, engine
+from gradsync.runtime import attached, statistics
 from gradsync.launch import run_local
 from runtime_models import COST, TiedNet, batch, synthetic_profile
 
@@ -87,7 +87,7 @@ def wrapped_twice(rank, world_size):
                                      profile=synthetic_profile(model), cost=COST)
     _loss(model, rank, 0).backward()
     optimizer.step()
-    return attached(model).iteration
+    return attached(model).clock.iteration
 
 
 def test_a_model_takes_one_runtime_at_a_time():
@@ -172,14 +172,14 @@ def trained_with_measurement(rank, optimizer_of, after_step=lambda: None):
 
 def measured_plan(rank, world_size):
     sync = trained_with_measurement(rank, lambda parameters: torch.optim.SGD(parameters, lr=0.1))
-    profile = sync.profile
+    profile = sync.installed.profile
     result = {
-        "planner": sync.plan.planner, "hash": sync.plan.hash, "a": sync.cost.a, "b": sync.cost.b,
-        "gamma": sync.cost.gamma, "host": sync.cost.host, "ops_per_channel": sync.cost.ops_per_channel,
+        "planner": sync.plan.planner, "hash": sync.plan.hash, "a": sync.installed.cost.a, "b": sync.installed.cost.b,
+        "gamma": sync.installed.cost.gamma, "host": sync.installed.cost.host, "ops_per_channel": sync.installed.cost.ops_per_channel,
         "layers": [layer.name for layer in profile.layers],
         "forward": [layer.forward_time for layer in profile.layers],
         "backward": [layer.backward_time for layer in profile.layers],
-        "iterations": len(sync.history),
+        "iterations": len(sync.clock.history),
     }
     sync.detach()
     return result
@@ -203,7 +203,7 @@ def test_measured_profile_and_cost_are_sane_and_agree():
 def host_with_launch_delay(rank, world_size, delay):
     """measure_host on two channels whose all-reduces first block the launching thread for `delay` s."""
     from gradsync.runtime.channels import Channels
-    from gradsync.runtime.measure import measure_host
+    from gradsync.runtime.measure.probes import measure_host
 
     channels = Channels(2)
     launch = channels.all_reduce
@@ -253,7 +253,7 @@ def slowdowns_beside(rank, world_size, kind):
     """measure_slowdowns with the all-reduce replaced by a FakeTransfer three times as long as the
     probe's computation, as the real one."""
     from gradsync.runtime.channels import Channels
-    from gradsync.runtime.measure import SLOWDOWN_PROBE_SECONDS, measure_slowdowns
+    from gradsync.runtime.measure.probes import SLOWDOWN_PROBE_SECONDS, measure_slowdowns
 
     channels = Channels(1)
     transfer_seconds = 3 * SLOWDOWN_PROBE_SECONDS
@@ -280,7 +280,7 @@ def test_slowdowns_are_measured_from_computation_and_transfer_alone_and_together
 
 
 def test_slowdowns_of_one_probe():
-    from gradsync.runtime.measure import slowdowns_of
+    from gradsync.runtime.measure.probes import slowdowns_of
 
     # computation 10 ms alone, 15 together: σ = 1.5; transfer 30 ms alone, 35 together: 5 ms
     # extra over the 15 ms beside the computation, which it crossed at 10/15 of its rate: τ = 1.5
@@ -291,7 +291,7 @@ def test_slowdowns_of_one_probe():
 
 def test_host_time_of_the_timed_plan_leaves_the_profile_in_proportion():
     from gradsync.plan import FORWARD, Op, Plan, Slice
-    from gradsync.runtime.measure import without_host
+    from gradsync.runtime.measure.layers import without_host
 
     profile = synthetic_profile(TiedNet())
     layers = [layer for layer in profile.layers if layer.tensors]
@@ -387,7 +387,7 @@ def traced(rank, world_size, path):
         optimizer.zero_grad()
         _loss(model, rank, step).backward()
         optimizer.step()
-    stats = attached(model).history[-1]
+    stats = attached(model).clock.history[-1]
     attached(model).detach()
     return stats.bytes_sent, stats.iteration_time, stats.predicted_time
 
@@ -435,7 +435,7 @@ def codec_time_of_a_slow_codec(rank, world_size, pause, scheduler):
         _loss(model, rank, step).backward()
         optimizer.step()
     optimizer.synchronize()  # the last step's deferred decoding is the next iteration's
-    history = attached(model).history
+    history = attached(model).clock.history
     attached(model).detach()
     return [(s.codec_time, s.comm_wait, s.iteration_time) for s in history], codec.paused
 
@@ -640,7 +640,7 @@ def calibration_through_codec_warmup(rank, world_size, start_iter):
         optimizer.zero_grad()
         _loss(model, rank, step).backward()
         optimizer.step()
-        seen.append((sync.plan.planner, sync.measurement is not None, id(sync.profile)))
+        seen.append((sync.plan.planner, sync.measurement is not None, id(sync.installed.profile)))
     sync.detach()
     return seen
 
@@ -680,13 +680,13 @@ def measured_with_a_slow_update(rank, world_size, pause):
     # the training loop's own work (the sleep after the step) is not the engine's: not in the update time
     sync = trained_with_measurement(rank, lambda parameters: SlowSGD(parameters, pause, lr=0.1),
                                     after_step=lambda: time.sleep(pause))
-    from gradsync.runtime.measure import slowest_times
+    from gradsync.runtime.measure.layers import slowest_times
 
-    layers = max(max(layer.forward_time, layer.backward_time) for layer in sync.profile.layers)
-    last = sync.history[-1]
-    result = sync.profile.update_time, layers, last.predicted_time, last.update_time, last.comm_wait
-    ranks = [profile.to_dict() for profile in sync.rank_profiles]
-    combined = slowest_times(sync.rank_profiles) == sync.profile
+    layers = max(max(layer.forward_time, layer.backward_time) for layer in sync.installed.profile.layers)
+    last = sync.clock.history[-1]
+    result = sync.installed.profile.update_time, layers, last.predicted_time, last.update_time, last.comm_wait
+    ranks = [profile.to_dict() for profile in sync.installed.rank_profiles]
+    combined = slowest_times(sync.installed.rank_profiles) == sync.installed.profile
     sync.detach()
     return result, ranks, combined
 
@@ -704,12 +704,12 @@ def test_the_update_time_holds_the_optimizer_step_and_enters_the_prediction():
 
 
 def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
-    from gradsync.runtime.layout import ParameterLayout
-    from gradsync.runtime.measure import LayerTimer
+    from gradsync.runtime.parameter_table import ParameterTable
+    from gradsync.runtime.measure.layers import LayerTimer
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    layout = ParameterLayout.of(model)
-    timer = LayerTimer(layout)
+    table = ParameterTable.of(model)
+    timer = LayerTimer(table)
     stall = 0.05
 
     def stalled_update(_module, _inputs):  # a deferred update applied before layer 1's forward
@@ -717,7 +717,7 @@ def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
         timer.exclude(stall)
 
     model[1].register_forward_pre_hook(stalled_update)
-    names = {m: n for m, n in layout.owners.items()}
+    names = {m: n for m, n in table.owners.items()}
     for _ in range(3):
         timer.forward_start()
         output = model(torch.ones(2, 4))
@@ -733,7 +733,7 @@ def test_layer_timer_leaves_excluded_time_out_of_the_layer_and_takes_medians():
 
 def test_every_rank_plans_with_each_layers_slowest_times_scaled_to_the_slowest_ranks_totals():
     from gradsync.profile import LayerProfile, ModelProfile
-    from gradsync.runtime.measure import slowest_times
+    from gradsync.runtime.measure.layers import slowest_times
 
     tensors = [layer.tensors for layer in synthetic_profile(TiedNet()).layers[:3]]
 
@@ -755,7 +755,7 @@ def test_every_rank_plans_with_each_layers_slowest_times_scaled_to_the_slowest_r
 
 
 def bounded_history(rank, world_size):
-    engine.HISTORY_LENGTH = 3  # in this rank's process only
+    statistics.HISTORY_LENGTH = 3  # in this rank's process only
     model = TiedNet()
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
                                      profile=synthetic_profile(model), cost=COST)
@@ -764,7 +764,7 @@ def bounded_history(rank, world_size):
         _loss(model, rank, step).backward()
         optimizer.step()
     sync = attached(model)
-    kept, counted = [stats.iteration for stats in sync.history], sync.iteration
+    kept, counted = [stats.iteration for stats in sync.clock.history], sync.clock.iteration
     sync.detach()
     return kept, counted
 

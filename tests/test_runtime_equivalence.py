@@ -94,7 +94,7 @@ def training_matches_ddp(rank, world_size, schedulers, optimizer_name, set_to_no
             ref_optimizer.step()
             ref_scheduler.step()
         optimizer.synchronize()
-        buffers = {op.buffer.untyped_storage().data_ptr() for executor in attached(model).executors.values()
+        buffers = {op.buffer.untyped_storage().data_ptr() for executor in attached(model).installed.executors.values()
                    for op in executor.ops}
         in_buffers = sum(p.grad is not None and p.grad.untyped_storage().data_ptr() in buffers
                          for p in model.parameters())
@@ -130,7 +130,7 @@ def attention_trains_like_ddp(rank, world_size, schedulers):
         optimizer.synchronize()
         sync = attached(model)
         errors[name] = (distance(model, reference),
-                        sum(op.phase != "backward" for plan in sync.plans.values() for op in plan.ops))
+                        sum(op.phase != "backward" for plan in sync.installed.plans.values() for op in plan.ops))
         sync.detach()
     return errors
 
@@ -163,7 +163,7 @@ def deferred_waits_train_like_ddp(rank, world_size, schedulers):
             most_calls, calls[0] = max(most_calls, calls[0]), 0
             _loss(model, rank, step).backward()
             optimizer.step()
-            pending = len(sync.pending)
+            pending = len(sync.deferred.pending)
             fewest_pending = pending if fewest_pending is None else min(fewest_pending, pending)
             ref_optimizer.zero_grad(set_to_none=False)
             _loss(reference, rank, step).backward()
@@ -172,7 +172,7 @@ def deferred_waits_train_like_ddp(rank, world_size, schedulers):
                 schedule.step()
         optimizer.synchronize()
         results[name] = (max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())),
-                         fewest_pending, len(sync.layout.owners), most_calls, len(sync.plan.ops))
+                         fewest_pending, len(sync.table.owners), most_calls, len(sync.plan.ops))
         sync.detach()
     return results
 
@@ -200,7 +200,7 @@ def state_dicts_hold_the_deferred_updates(rank, world_size):
             opt.zero_grad()
             _loss(net, rank, step).backward()
             opt.step()
-    pending_after_step = len(attached(model).pending)
+    pending_after_step = len(attached(model).deferred.pending)
     saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     to_ddp = max((saved[name] - q).abs().max().item()
                  for (name, _), q in zip(model.named_parameters(), reference.parameters()))

@@ -12,13 +12,13 @@ import gradsync
 from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.runtime import attached, engine
-from gradsync.runtime.layout import ParameterLayout
+from gradsync.runtime.parameter_table import ParameterTable
 from runtime_models import COST, VOCAB, WIDTH, TiedNet, batch, distance, synthetic_profile, train_side_by_side
 
 
 def _profile(model):
-    layout = ParameterLayout.of(model)
-    return layout.profile("guards", None, {m: 1e-3 for m in layout.owners}, {m: 2e-3 for m in layout.owners})
+    table = ParameterTable.of(model)
+    return table.profile("guards", None, {m: 1e-3 for m in table.owners}, {m: 2e-3 for m in table.owners})
 
 
 class TwoBranches(nn.Module):
@@ -87,7 +87,7 @@ def tied_weight_read_first_by_a_non_owner(rank, world_size, scheduler, options):
                                      profile=_profile(model), cost=COST, **options)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, 4)
-    pending = len(attached(model).pending)
+    pending = len(attached(model).deferred.pending)
     optimizer.synchronize()
     apart = distance(model, reference)
     attached(model).detach()
@@ -129,7 +129,7 @@ def test_complex_parameters_are_refused_with_a_compressor_before_any_collective(
 
 def test_dtypes_of_different_element_sizes_are_accepted():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).half(), nn.Linear(2, 2).double())
-    assert len(ParameterLayout.of(model).parameters) == 6
+    assert len(ParameterTable.of(model).parameters) == 6
 
 
 def a_failed_wrap_leaves_the_model_free(rank, world_size):
@@ -250,7 +250,8 @@ def stalled_peer(rank, world_size, where):
     import time
 
     from gradsync import runtime
-    from gradsync.runtime import measure
+    from gradsync.runtime import installed
+    from gradsync.runtime.measure import calibration, trials
 
     def stalling(function):
         def stalled(*args, **kwargs):
@@ -258,7 +259,8 @@ def stalled_peer(rank, world_size, where):
             return function(*args, **kwargs)
         return stalled
 
-    modules = {"runtime": runtime, "engine": engine, "measure": measure, "PlanTrials": measure.PlanTrials}
+    modules = {"runtime": runtime, "engine": engine, "installed": installed, "calibration": calibration,
+               "PlanTrials": trials.PlanTrials}
     module, attribute, options = STALL_POINTS[where]
     if rank == 1 and module is not None:
         setattr(modules[module], attribute, stalling(getattr(modules[module], attribute)))
@@ -292,12 +294,12 @@ STALL_POINTS = {
     "settings": ("runtime", "check_same_settings", {}),
     "parameters": ("runtime", "_broadcast_from_first", {}),
     "seed": ("runtime", "share_from_first", {}),
-    "plan hash": ("engine", "check_same_on_all_ranks", {}),
+    "plan hash": ("installed", "check_same_on_all_ranks", {}),
     "probes": ("runtime", "measure_cost", {"cost": "measure"}),
-    "layer times": ("measure", "gather_from_all", {"profile": "measure"}),
+    "layer times": ("calibration", "gather_from_all", {"profile": "measure"}),
     "trials": ("PlanTrials", "_keep_fastest", {"scheduler": "auto", "profile": "measure"}),
     "buffers": ("engine", "_broadcast_from_first", {}),
-    "speed": ("engine", "slowest_over_ranks", {}),
+    "speed": ("installed", "slowest_over_ranks", {}),
     "state_dict": (None, None, {"compressor": "acp_sgd"}),
 }
 NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check of gradsync.wrap",

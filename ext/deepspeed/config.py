@@ -21,7 +21,7 @@ from torch import nn
 from ..compress import Codec
 from ..errors import ConfigError
 from ..runtime import WrapArguments, check_wrap_arguments, wrap
-from ..runtime.layout import ParameterLayout
+from ..runtime.parameter_table import ParameterTable
 
 SECTION = "gradsync"
 KEYS = ("scheduler", "compressor", "channels", "profile", "cost", "trace", "timeout", "nonfinite", "options",
@@ -120,14 +120,14 @@ def _model_parallelism(ds_config: dict, mpu, mesh_param) -> list[str]:
 
 
 def _check_model(model) -> None:
-    """Refuse a pipeline, MoE experts, and what the runtime's layout refuses (sparse gradients)."""
+    """Refuse a pipeline, MoE experts, and what the runtime's parameter table refuses (sparse gradients)."""
     from deepspeed.pipe import PipelineModule
 
     if not isinstance(model, nn.Module):
         raise ConfigError(f"'model' must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, PipelineModule):
         raise ConfigError("gradsync does not support DeepSpeed pipeline parallelism (PipelineModule)")
-    experts = [name for name, parameter in ParameterLayout.of(model).parameters.items() if is_moe_param(parameter)]
+    experts = [name for name, parameter in ParameterTable.of(model).parameters.items() if is_moe_param(parameter)]
     if experts:
         raise ConfigError("gradsync averages every parameter's gradient over all ranks, so it does not support "
                           f"DeepSpeed MoE layers: DeepSpeed reduces their {len(experts)} expert parameters (the "

@@ -167,6 +167,10 @@ def chosen_planner(plan: Plan) -> str:
     return plan.options.get("chosen", plan.planner)
 
 
-__all__ = ["BoundPlanner", "OVERLAP_FORWARD", "PlannerSpec", "bind", "candidates", "chosen_planner", "get", "names",
-           "one_bucket",
-           "option_names", "register", "registry", "spec"]
+def chosen_label(plans) -> str:
+    """The planners `plans` (a step's or a codec cycle's) come from, "/"-joined (``chosen_planner``)."""
+    return "/".join(sorted({chosen_planner(plan) for plan in plans}))
+
+
+__all__ = ["BoundPlanner", "OVERLAP_FORWARD", "PlannerSpec", "bind", "candidates", "chosen_label", "chosen_planner",
+           "get", "names", "one_bucket", "option_names", "register", "registry", "spec"]

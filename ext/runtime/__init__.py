@@ -18,12 +18,15 @@ from ..topology import Topology, complete
 from ..topology.allreduce import check_group_size
 from .arguments import WrapArguments, check_wrap_arguments
 from .channels import Channels, control_group
-from .engine import GradSync, IterationStats, _broadcast_from_first, attached, check_not_attached, no_sync
+from .engine import GradSync, _broadcast_from_first, attached, check_not_attached, no_sync
 from .executor import NonFiniteGradient
-from .layout import ParameterLayout
-from .measure import ProfileCalibration, measure_cost
+from .parameter_table import ParameterTable
+from .installed import InstalledPlans
+from .measure.calibration import ProfileCalibration
+from .measure.probes import measure_cost
 from .optimizer import SyncedOptimizer
 from .report import LayoutReport, SyncReport
+from .statistics import IterationStats
 from .trace import ChromeTrace
 
 __all__ = ["GradSync", "IterationStats", "LayoutReport", "NonFiniteGradient", "SyncReport", "SyncedOptimizer",
@@ -86,12 +89,12 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     check_not_attached(model)
-    layout = ParameterLayout.of(model)
-    layout.check_optimizer(optimizer)
-    layout.check_compressor(arguments.codec.name)
+    table = ParameterTable.of(model)
+    table.check_optimizer(optimizer)
+    table.check_compressor(arguments.codec.name)
     if arguments.profile is not None:
-        layout.check_profile(arguments.profile)
-    skeleton = layout.profile(type(model).__name__)
+        table.check_profile(arguments.profile)
+    skeleton = table.profile(type(model).__name__)
     arguments.planner(skeleton, arguments.cost or CostModel(1e-4, 1e-9))  # the planner takes this model
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
@@ -104,20 +107,21 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         raise
     writer = ChromeTrace(arguments.trace, channels.rank) if arguments.trace else None
     codec = arguments.codec
-    codec.setup({name: layout.tensor_spec(name) for name in layout.parameters}, channels.world_size, seed)
-    sync = GradSync(model, layout, channels, arguments.planner, arguments.nonfinite,
-                    arguments.broadcast_buffers, codec, writer)
+    codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
+    installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
+                               arguments.plan_trials)
+    sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer)
     with sync.detached_on_error():
         sync.check_optimizer(optimizer)
         with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
-            cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=layout.device)
+            cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=table.device)
         if arguments.profile is not None:
-            sync.install_plan(arguments.profile, cost)
+            installed.install(arguments.profile, cost)
         else:
-            sync.install_plan(skeleton, cost, planners.one_bucket())  # see measure.py
-            sync.measurement = ProfileCalibration(layout, cost, arguments.warmup_iterations,
-                                                  arguments.measure_iterations, type(model).__name__,
-                                                  codec.steady_rounds(), arguments.plan_trials)
+            installed.install(skeleton, cost, planners.one_bucket())  # see runtime.measure.calibration
+            installed.measurement = ProfileCalibration(table, cost.host, channels, arguments.warmup_iterations,
+                                                       arguments.measure_iterations, type(model).__name__,
+                                                       codec.steady_rounds())
         return model, SyncedOptimizer(optimizer, sync)
 
 

@@ -11,70 +11,51 @@ Lifecycle of one iteration:
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
    parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
    when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
-While ``profile``/``cost`` are being measured the plan is ``ddp`` with unbounded buckets: one op per
-element size, launched when the backward pass ends; then the real plan replaces it (made again
-once a codec warming up has reached its steady state: gradsync.runtime.measure).
-Then the predictions follow the computation's measured speed (gradsync.runtime.compute_speed).
+The parts: ``installed.InstalledPlans`` (the plans in force, their executors and predictions, the
+measurement that replaces them while it runs: ``runtime.measure``), ``deferred.DeferredUpdates``
+(step 3's updates left for step 1) and ``statistics.IterationClock`` (where each iteration's time
+went).
 """
 from __future__ import annotations
 
 import time
 import weakref
-from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..agreement import check_same_on_all_ranks, waiting_for
-from ..cost import CostModel
+from ..agreement import waiting_for
 from ..errors import ConfigError
-from ..compress import Codec
-from ..planners import BoundPlanner
-from ..planning import StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
 from ..plan import Plan
-from ..profile import ModelProfile
 from .channels import Channels
-from .compute_speed import ComputeSpeed, slowest_over_ranks
+from .deferred import DeferredUpdates
 from .executor import PlanExecutor
-from .layout import ParameterLayout
-from .optimizer import ParameterSubset, hyperparameters
-from .report import LayoutReport, SyncReport
-
-HISTORY_LENGTH = 10_000  # iterations whose statistics GradSync.history keeps (the most recent)
+from .installed import InstalledPlans
+from .parameter_table import ParameterTable
+from .measure import IterationDone, Measurement
+from .report import SyncReport
+from .statistics import IterationClock
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
 
 
-@dataclass(frozen=True)
-class IterationStats:
-    """One iteration as measured on this rank, beside the simulator's prediction (seconds)."""
-
-    iteration: int
-    iteration_time: float  # from the end of the previous step to the end of this one
-    comm_wait: float  # time blocked on communication: the non-overlapped part
-    bytes_sent: int
-    predicted_time: float
-    update_time: float = 0.0  # serial work: buffer broadcast, optimizer step, codec work outside the hooks
-    busy_time: float = 0.0  # from the iteration's first forward to the end of its step, less comm_wait
-    compute_scale: float = 1.0  # the factor on the profile's times the prediction was made with
-    codec_time: float = 0.0  # the codec's encoding in this step and decoding in this iteration's waits
-
-
 class GradSync:
-    """The runtime attached to one model (see the module docstring)."""
+    """The runtime attached to one model: its hooks and the iteration's lifecycle (see the module
+    docstring), over three parts: the installed plans and the measurement (``installed``), the
+    deferred updates (``deferred``) and the iteration statistics (``clock``)."""
 
-    def __init__(self, model, layout: ParameterLayout, channels: Channels, planner: BoundPlanner,
-                 nonfinite: str, broadcast_buffers: bool, codec: Codec, trace=None):
+    def __init__(self, model, table: ParameterTable, channels: Channels, installed: InstalledPlans,
+                 broadcast_buffers: bool, trace=None):
         self.model = model
-        self.layout = layout
+        self.table = table
         self.channels = channels
-        self.codec = codec
-        self.planner = planner  # the user's scheduler (the calibration and trials install others)
-        self.gradient_bytes = sum(p.numel() * p.element_size() for p in layout.parameters.values())
-        self.nonfinite = nonfinite
+        self.installed = installed
+        self.codec = installed.codec
+        self.clock = IterationClock()
+        self.deferred = DeferredUpdates(table, self.clock)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in table.parameters.values())
         self.broadcast_buffers = broadcast_buffers
         self.trace = trace
         self.enabled = True
@@ -83,69 +64,30 @@ class GradSync:
         self.used_unsynced: set[str] = set()  # parameters whose gradients accumulated under no_sync since the last sync
         self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
         self.wait_at_backward_end = False  # for front-ends whose hooks read the gradients before the step
-        self.iteration = 0
         self.sync_steps = 0  # synchronised backward passes so far: the codec's step
-        self.history: deque[IterationStats] = deque(maxlen=HISTORY_LENGTH)  # `iteration` counts them all
-        self.plans: dict[str, Plan] = {}  # per codec layout
-        self.executors: dict[str, PlanExecutor] = {}
-        self.layout_plans = {}
-        self.predictions: dict[tuple[str, ...], StepPrediction] = {}
-        self.speed = ComputeSpeed()
-        self.profile: ModelProfile | None = None
-        self.rank_profiles: list[ModelProfile] = []  # each rank's measured profile (`profile` combines them)
-        self.cost: CostModel | None = None
+        self.rounds_now: tuple[str, ...] = ()  # the wire layouts the current iteration sends
         self.executor: PlanExecutor | None = None  # the one running the current iteration
-        self.measurement = None
-        self.trial_times: list[tuple[str, float]] | None = None  # auto's timed plans (PlanTrials)
-        self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
-        self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
         self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
-        self.layer_subsets: dict[str, ParameterSubset] = {}  # owner module -> its parameters
-        self.iteration_started = time.perf_counter()
-        self.forward_started: float | None = None  # the iteration's first forward
-        self.comm_wait = 0.0
-        self.update_time = 0.0
-        self.decode_time = 0.0
-        self.optimizer = None
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
                         model.register_state_dict_pre_hook(lambda *_: self.flush_deferred()),
                         model.register_load_state_dict_pre_hook(lambda *_: self.flush_deferred())]
-        for name, parameter in layout.parameters.items():
+        for name, parameter in table.parameters.items():
             self.handles.append(parameter.register_hook(self._refuse_second_backward))
             self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
-        for module, owners in layout.borrowers.values():
+        for module, owners in table.borrowers.values():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
-        for module_name, module in layout.modules.items():
+        for module_name, module in table.modules.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_for(module_name)))
             if trace is not None:
                 self.handles.append(module.register_forward_hook(
                     lambda _m, _i, _o, name=module_name: trace.forward_end(name)))
-        self.module_of = {name: m for m, names in layout.owners.items() for name in names}
+        self.module_of = {name: m for m, names in table.owners.items() for name in names}
         _ATTACHED[model] = self
 
-    # -- planning ----------------------------------------------------------------------------------
-    def install_plan(self, profile: ModelProfile, cost: CostModel, planner: BoundPlanner | None = None) -> None:
-        """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
-        rank) by `planner` (default: the user's), check the hashes on every rank, and execute the
-        plans from the next backward pass."""
-        planner = planner or self.planner
-        layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
-                        for layout, entry in plan_layouts(profile, cost, planner, self.codec).items()}
-        plans = {layout: entry.plan for layout, entry in layout_plans.items()}
-        self._check_same_plans(plans)
-        self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
-        self.predictions, self.speed = {}, ComputeSpeed()
-        self.executors = {layout: PlanExecutor(plan, self.layout.parameters, self.channels, self.codec, layout,
-                                               self.nonfinite, self.trace) for layout, plan in plans.items()}
-
-    def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
-        """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
-        the measured speed of the computation (gradsync.runtime.compute_speed); cached."""
-        if rounds not in self.predictions:
-            scaled = at_compute_scale(self.layout_plans, self.speed.scale)
-            self.predictions[rounds] = step_prediction(scaled, rounds, self.cost)
-        return self.predictions[rounds]
+    @property
+    def measurement(self) -> Measurement | None:
+        return self.installed.measurement
 
     @property
     def last_step_skipped(self) -> bool:
@@ -155,38 +97,19 @@ class GradSync:
     @property
     def plan(self) -> Plan:
         """The (first) plan the next iteration executes."""
-        return self.plans[self.codec.rounds(self.sync_steps)[0]]
+        return self.installed.plans[self.codec.rounds(self.sync_steps)[0]]
 
     def report(self) -> SyncReport:
-        """A read-only snapshot for front-ends (gradsync.runtime.report)."""
+        """A read-only snapshot for front-ends (``runtime.report``)."""
+        installed = self.installed
         return SyncReport(
-            scheduler=self.planner.described(), compressor=self.codec.name,
-            layouts={layout: LayoutReport(layout, entry.plan, entry.wire, self.cost)
-                     for layout, entry in self.layout_plans.items()},
-            steady_layouts=tuple(steady_layouts(self.codec)),
-            measuring=self.measurement is not None,
-            trials=None if self.trial_times is None else tuple(self.trial_times),
-            iteration=self.iteration, history=tuple(self.history), gradient_bytes=self.gradient_bytes)
-
-    def _check_same_plans(self, plans: dict[str, Plan]) -> None:
-        with waiting_for("the plan hash check", self.channels.timeout):
-            check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",
-                                    "give every rank the same model, profile, cost and options",
-                                    self.channels.process_group)
+            scheduler=installed.planner.described(), compressor=self.codec.name,
+            layouts=installed.layout_reports(), steady_layouts=installed.steady_layouts,
+            measuring=installed.measurement is not None, trials=installed.trial_times,
+            iteration=self.clock.iteration, history=tuple(self.clock.history), gradient_bytes=self.gradient_bytes)
 
     def check_optimizer(self, optimizer) -> None:
-        self.layout.check_optimizer(optimizer)
-        self.optimizer = optimizer
-        self.layer_subsets = {m: ParameterSubset(optimizer, [self.layout.parameters[n] for n in names])
-                              for m, names in self.layout.owners.items()}
-
-    def _subset(self, modules: list[str]) -> ParameterSubset:
-        """The parameters of the owner `modules`, for one optimizer call."""
-        return ParameterSubset.union([self.layer_subsets[m] for m in modules])
-
-    def _complete(self, executor: PlanExecutor, module_name: str) -> bool:
-        """Whether every op carrying the module's gradients is done."""
-        return all(executor.complete(n) for n in self.layout.owners[module_name])
+        self.deferred.bind(optimizer)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _hook_for(self, name: str):
@@ -215,11 +138,11 @@ class GradSync:
                 "optimizer.zero_grad() first)")
 
     def _begin_backward(self) -> None:
-        self.silent.update(m for m in self.layout.owners if m not in self.ran_forward)
+        self.silent.update(m for m in self.table.owners if m not in self.ran_forward)
         self.flush_deferred()
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
-        self.executor = self.executors[self.rounds_now[0]]
+        self.executor = self.installed.executors[self.rounds_now[0]]
         self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced)
         self.used_unsynced = set()
         self.sync_steps += 1
@@ -233,24 +156,23 @@ class GradSync:
         self.executor.end_backward()
         if self.broadcast_buffers:  # the next forward reads rank 0's buffers, as after DDP's synchronised
             # forwards; here every rank takes part, even if one evaluates alone next
-            with self._updating(), waiting_for("the broadcast of rank 0's buffers after the backward pass",
-                                               self.channels.timeout):
+            with self.clock.updating(), waiting_for("the broadcast of rank 0's buffers after the backward pass",
+                                                    self.channels.timeout):
                 _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
         for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
-            previous, self.executor = self.executor, self.executors[layout]
-            self._wait(previous, previous.wait_all)
-            with self._updating():  # the round's encoding
+            previous, self.executor = self.executor, self.installed.executors[layout]
+            self.clock.wait(previous, previous.wait_all)
+            with self.clock.updating():  # the round's encoding
                 self.executor.start_iteration(previous.step, ready=previous.ready)
                 self.executor.skip_step = previous.skip_step  # a skip found in one round holds for the step
                 self.executor.end_backward()
         if self.wait_at_backward_end:
-            self._wait(self.executor, self.executor.wait_all)
+            self.clock.wait(self.executor, self.executor.wait_all)
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
-        if self.forward_started is None:
-            self.forward_started = time.perf_counter()
-        for module_name in [m for m in self.pending if m in self.silent]:
+        self.clock.forward_begins()
+        for module_name in [m for m in self.deferred.pending if m in self.silent]:
             self._apply_deferred(module_name)
         if self.measurement is not None:
             self.measurement.forward_start()
@@ -258,8 +180,7 @@ class GradSync:
     def _pre_forward_for(self, module_name: str):
         def pre_forward(_module, _inputs):
             self.ran_forward.add(module_name)
-            if module_name in self.pending:
-                self._apply_deferred(module_name)
+            self._apply_deferred(module_name)
             if self.measurement is not None:
                 self.measurement.module_start(module_name)
             if self.trace is not None:
@@ -273,6 +194,11 @@ class GradSync:
                 self._apply_deferred(owner)
         return pre_forward
 
+    def _apply_deferred(self, module_name: str) -> None:
+        seconds = self.deferred.apply(module_name, self.executor)
+        if seconds and self.measurement is not None:  # neither the wait nor the update is the layer's forward
+            self.measurement.exclude(seconds)
+
     # -- optimizer ---------------------------------------------------------------------------------
     def step(self, optimizer) -> None:
         if not self.backward_synced:
@@ -282,69 +208,15 @@ class GradSync:
             )
         self.backward_synced = self.gradients_held = False
         executor = self.executor
-        self._wait(executor, executor.wait_all if self.nonfinite == "skip" else executor.wait_before_step)
-        if executor.skip_step:
-            self._finish_iteration()
-            return None
-        complete, incomplete = [], []
-        for module_name in self.layout.owners:
-            (complete if self._complete(executor, module_name) else incomplete).append(module_name)
-        with self._updating():
-            if not incomplete:
-                optimizer.step()
-            else:
-                hyper = hyperparameters(optimizer)
-                if complete:
-                    self._subset(complete).step(optimizer)
-                self.pending = {m: hyper for m in incomplete}
+        nonfinite_skips = self.installed.nonfinite == "skip"
+        self.clock.wait(executor, executor.wait_all if nonfinite_skips else executor.wait_before_step)
+        if not executor.skip_step:
+            self.deferred.step(optimizer, executor)
         self._finish_iteration()
-        return None
-
-    def _apply_deferred(self, module_name: str) -> None:
-        """Wait for the ops of a pending module and update it (nothing if an earlier call did)."""
-        if module_name not in self.pending:
-            return
-        started, executor = time.perf_counter(), self.executor
-
-        def wait_for_the_modules_ops():
-            for index in executor.pending_ops(self.layout.owners[module_name]):
-                executor.wait(index)
-
-        self._wait(executor, wait_for_the_modules_ops)
-        # with it, every pending module whose ops are done by now: one optimizer call for an op's modules
-        ready = [m for m in self.pending if m == module_name or self._complete(executor, m)]
-        with self._updating():
-            self._subset(ready).step(self.optimizer, self.pending[module_name])
-            for name in ready:
-                del self.pending[name]
-                if name in self.zero_after:
-                    _zero(self.layout.owners[name], self.layout.parameters, self.zero_after.pop(name))
-        if self.measurement is not None:  # neither the wait nor the update is the layer's forward
-            self.measurement.exclude(time.perf_counter() - started)
-
-    def _wait(self, executor: PlanExecutor, wait) -> None:
-        """Run `wait` on `executor`'s ops: its time is communication wait, except the codec's
-        decoding inside it, which is update time."""
-        decoded, started = executor.decode_seconds, time.perf_counter()
-        wait()
-        decoding = executor.decode_seconds - decoded
-        self.comm_wait += time.perf_counter() - started - decoding
-        self.update_time += decoding
-        self.decode_time += decoding
-
-    @contextmanager
-    def _updating(self):
-        """Time the block as update time (optimizer step, a codec's work outside the hooks)."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.update_time += time.perf_counter() - started
 
     def flush_deferred(self) -> None:
         """Apply every pending deferred update now, in layer order."""
-        for module_name in list(self.pending):
-            self._apply_deferred(module_name)
+        self.deferred.apply_all(self.executor)
 
     def flush(self) -> None:
         """Wait for every launched op and apply every deferred update."""
@@ -354,46 +226,22 @@ class GradSync:
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
         if self.gradients_held:  # a step skipped on purpose: its ops must not write after the zeroing
-            self._wait(self.executor, self.executor.wait_all)
+            self.clock.wait(self.executor, self.executor.wait_all)
             self.gradients_held = False
-        for module_name, names in self.layout.owners.items():
-            if module_name in self.pending:
-                self.zero_after[module_name] = set_to_none
-            else:
-                _zero(names, self.layout.parameters, set_to_none)
-        # parameters the optimizer holds outside the layout (frozen ones) follow the usual rule
-        known = {id(p) for p in self.layout.parameters.values()}
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                if id(parameter) not in known and parameter.grad is not None:
-                    _zero_one(parameter, set_to_none)
+        self.deferred.zero_grad(optimizer, set_to_none)
 
     def _finish_iteration(self) -> None:
         now = time.perf_counter()
-        busy = max(0.0, now - (self.forward_started or self.iteration_started) - self.comm_wait)
-        prediction = self.prediction(self.rounds_now)
-        encoding = sum(self.executors[layout].encode_seconds for layout in set(self.rounds_now))
-        stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait,
-                               sum(self.executors[layout].wire_bytes() for layout in self.rounds_now),
-                               prediction.time, self.update_time, busy, self.speed.scale, encoding + self.decode_time)
-        self.history.append(stats)
+        prediction = self.installed.prediction(self.rounds_now)
+        executors = self.installed.executors
+        stats = self.clock.finish(now, sum(executors[layout].wire_bytes() for layout in self.rounds_now),
+                                  prediction.time, self.installed.speed.scale,
+                                  sum(executors[layout].encode_seconds for layout in set(self.rounds_now)))
         if self.trace is not None:
             self.trace.iteration(stats)
-        self.iteration += 1
-        self.iteration_started, self.forward_started = now, None
-        self.comm_wait = self.update_time = self.decode_time = 0.0
-        if self.measurement is not None:
-            self.measurement.iteration_done(self)
-        elif self.speed.observe(busy, prediction.busy):
-            self._follow_compute_speed()
-
-    def _follow_compute_speed(self) -> None:
-        """Rescale the predictions to the slowest rank's measured speed (a collective; every rank
-        reaches it at the same iteration)."""
-        with waiting_for("the compute-speed check (every 8 iterations)", self.channels.timeout):
-            ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, self.layout.device)
-        if self.speed.rescale(ratio):
-            self.predictions = {}
+        done = IterationDone(stats, self.rounds_now, self.codec.rounds(self.sync_steps),
+                             self.installed.plans[self.rounds_now[0]], self.last_step_skipped)
+        self.installed.iteration_done(done, prediction.busy)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -448,24 +296,6 @@ class GradSync:
                 self.trace.close()
         finally:
             self.channels.destroy()
-
-
-def _zero_one(parameter, set_to_none: bool) -> None:
-    """As torch's Optimizer.zero_grad; a gradient that is a span of an op buffer (a view) is
-    zeroed in place without the in-place detach a view refuses."""
-    if set_to_none:
-        parameter.grad = None
-    elif parameter.grad is not None:
-        if parameter.grad.grad_fn is not None:
-            parameter.grad.detach_()
-        else:
-            parameter.grad.requires_grad_(False)
-        parameter.grad.zero_()
-
-
-def _zero(names, parameters, set_to_none: bool) -> None:
-    for name in names:
-        _zero_one(parameters[name], set_to_none)
 
 
 def _broadcast_from_first(tensors, process_group) -> None:

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 from ..cost import CostModel
 from ..plan import Plan
-from ..planners import chosen_planner
+from ..planners import chosen_label, chosen_planner
 from ..profile import ModelProfile
 from ..simulate import Timeline, simulate
 
 if TYPE_CHECKING:
-    from .engine import IterationStats
+    from .statistics import IterationStats
 
 
 @dataclass(frozen=True)
@@ -77,4 +77,4 @@ class SyncReport:
     @property
     def chosen(self) -> str:
         """The planner whose plans the steady layouts run (a choosing planner's choice)."""
-        return "/".join(sorted({chosen_planner(self.layouts[layout].plan) for layout in self.steady_layouts}))
+        return chosen_label(self.layouts[layout].plan for layout in self.steady_layouts)

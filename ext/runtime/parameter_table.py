@@ -1,4 +1,4 @@
-"""The live model's gradient layout: trainable parameters grouped by the module that owns them."""
+"""The live model's parameter table: trainable parameters grouped by the module that owns them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +11,7 @@ from ..profile import LayerProfile, ModelProfile, TensorSpec
 
 
 @dataclass(frozen=True)
-class ParameterLayout:
+class ParameterTable:
     """Trainable parameters by qualified name (a shared parameter once, under its first name) and
     the modules that own them, in `module_order` (input → output once measured, else registration).
     A shared parameter's first module owns it; the others holding it are its `borrowers`."""
@@ -23,7 +23,7 @@ class ParameterLayout:
     borrowers: dict[str, tuple[nn.Module, list[str]]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ParameterLayout":
+    def of(cls, model: nn.Module) -> "ParameterTable":
         parameters: dict[str, nn.Parameter] = {}
         owners: dict[str, list[str]] = {}
         modules: dict[str, nn.Module] = {}
@@ -63,7 +63,7 @@ class ParameterLayout:
         forward_times: dict[str, float] | None = None,
         backward_times: dict[str, float] | None = None,
     ) -> ModelProfile:
-        """A ModelProfile of this layout: one layer per owning module, in `module_order`
+        """A ModelProfile of this table: one layer per owning module, in `module_order`
         (modules missing from it keep registration order after the ordered ones)."""
         order = [m for m in (module_order or []) if m in self.owners]
         order += [m for m in self.owners if m not in order]

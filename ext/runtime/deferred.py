@@ -1,0 +1,112 @@
+"""Deferred updates: at ``optimizer.step()`` the modules whose ops are still in flight (a plan's
+forward-phase ops) are not updated; each is updated before its next forward reads its parameters,
+with the hyper-parameters the optimizer had at the step (us-byte Fig. 1)."""
+from __future__ import annotations
+
+import time
+
+from .executor import PlanExecutor
+from .parameter_table import ParameterTable
+from .optimizer import ParameterSubset, hyperparameters
+from .statistics import IterationClock
+
+
+class DeferredUpdates:
+    """The step's updates by owner module: done at once where the module's ops are complete, else
+    pending until `apply` (its forward, a module borrowing its parameters, the model's forward when
+    its own forward does not run, a checkpoint, the next backward pass)."""
+
+    def __init__(self, table: ParameterTable, clock: IterationClock):
+        self.table = table
+        self.clock = clock
+        self.optimizer = None
+        self.layer_subsets: dict[str, ParameterSubset] = {}  # owner module -> its parameters
+        self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
+        self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
+
+    def bind(self, optimizer) -> None:
+        """Update with `optimizer` (its parameters checked against the table)."""
+        self.table.check_optimizer(optimizer)
+        self.optimizer = optimizer
+        self.layer_subsets = {m: ParameterSubset(optimizer, [self.table.parameters[n] for n in names])
+                              for m, names in self.table.owners.items()}
+
+    def step(self, optimizer, executor: PlanExecutor) -> None:
+        """``optimizer.step()`` for the modules whose ops `executor` has completed; the others pending."""
+        complete, incomplete = [], []
+        for module_name in self.table.owners:
+            (complete if self._complete(executor, module_name) else incomplete).append(module_name)
+        with self.clock.updating():
+            if not incomplete:
+                optimizer.step()
+            else:
+                hyper = hyperparameters(optimizer)
+                if complete:
+                    self._subset(complete).step(optimizer)
+                self.pending = {m: hyper for m in incomplete}
+
+    def apply(self, module_name: str, executor: PlanExecutor) -> float:
+        """Wait for the ops of a pending module and update it, with every pending module whose ops
+        are done by then (one optimizer call); the seconds it took (0 if nothing was pending)."""
+        if module_name not in self.pending:
+            return 0.0
+        started = time.perf_counter()
+
+        def wait_for_the_modules_ops():
+            for index in executor.pending_ops(self.table.owners[module_name]):
+                executor.wait(index)
+
+        self.clock.wait(executor, wait_for_the_modules_ops)
+        ready = [m for m in self.pending if m == module_name or self._complete(executor, m)]
+        with self.clock.updating():
+            self._subset(ready).step(self.optimizer, self.pending[module_name])
+            for name in ready:
+                del self.pending[name]
+                if name in self.zero_after:
+                    zero_gradients(self.table.owners[name], self.table.parameters, self.zero_after.pop(name))
+        return time.perf_counter() - started
+
+    def apply_all(self, executor: PlanExecutor | None) -> None:
+        """Apply every pending update now, in layer order."""
+        for module_name in list(self.pending):
+            self.apply(module_name, executor)
+
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        """``optimizer.zero_grad``: a pending module's gradients are zeroed after its update."""
+        for module_name, names in self.table.owners.items():
+            if module_name in self.pending:
+                self.zero_after[module_name] = set_to_none
+            else:
+                zero_gradients(names, self.table.parameters, set_to_none)
+        # parameters the optimizer holds outside the table (frozen ones) follow the usual rule
+        known = {id(p) for p in self.table.parameters.values()}
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if id(parameter) not in known and parameter.grad is not None:
+                    zero_gradient(parameter, set_to_none)
+
+    def _subset(self, modules: list[str]) -> ParameterSubset:
+        """The parameters of the owner `modules`, for one optimizer call."""
+        return ParameterSubset.union([self.layer_subsets[m] for m in modules])
+
+    def _complete(self, executor: PlanExecutor, module_name: str) -> bool:
+        """Whether every op carrying the module's gradients is done."""
+        return all(executor.complete(n) for n in self.table.owners[module_name])
+
+
+def zero_gradient(parameter, set_to_none: bool) -> None:
+    """As torch's Optimizer.zero_grad; a gradient that is a span of an op buffer (a view) is
+    zeroed in place without the in-place detach a view refuses."""
+    if set_to_none:
+        parameter.grad = None
+    elif parameter.grad is not None:
+        if parameter.grad.grad_fn is not None:
+            parameter.grad.detach_()
+        else:
+            parameter.grad.requires_grad_(False)
+        parameter.grad.zero_()
+
+
+def zero_gradients(names, parameters, set_to_none: bool) -> None:
+    for name in names:
+        zero_gradient(parameters[name], set_to_none)

@@ -1,0 +1,121 @@
+"""The installed plans of a wrapped model, one per wire layout of its codec, their executors and
+their predictions, and the measurement that replaces them while it runs (``runtime.measure``).
+
+After the measurement the predictions follow the computation's measured speed
+(``runtime.compute_speed``). Every rank installs the same plans at the same iteration: each
+installation checks the plans' hashes on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..agreement import check_same_on_all_ranks, waiting_for
+from ..compress import Codec
+from ..cost import CostModel
+from ..plan import Plan
+from ..planners import BoundPlanner
+from ..planning import LayoutPlan, StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
+from ..profile import ModelProfile
+from .channels import Channels
+from .compute_speed import ComputeSpeed, slowest_over_ranks
+from .executor import PlanExecutor
+from .parameter_table import ParameterTable
+from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
+from .measure.trials import PlanTrials
+from .report import LayoutReport
+
+
+class InstalledPlans:
+    """The plans, executors and predictions in force, and the measurement in progress.
+
+    Args:
+        planner: the wrapped scheduler (measurement installs others meanwhile).
+        codec: the compressor, set up on the layout's tensors.
+        plan_trials: how many of a choosing planner's plans to time once the profile is measured.
+        nonfinite, trace: for the executors (``PlanExecutor``).
+    """
+
+    def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
+                 nonfinite: str, trace=None, plan_trials: int = 0):
+        self.table = table
+        self.channels = channels
+        self.planner = planner
+        self.codec = codec
+        self.nonfinite = nonfinite
+        self.trace = trace
+        self.plan_trials = plan_trials
+        self.layout_plans: dict[str, LayoutPlan] = {}
+        self.plans: dict[str, Plan] = {}
+        self.executors: dict[str, PlanExecutor] = {}
+        self.profile: ModelProfile | None = None
+        self.cost: CostModel | None = None
+        self.predictions: dict[tuple[str, ...], StepPrediction] = {}
+        self.speed = ComputeSpeed()
+        self.measurement: Measurement | None = None
+        self.rank_profiles: tuple[ModelProfile, ...] = ()  # each rank's measured profile (`profile` combines them)
+        self.trial_times: tuple[tuple[str, float], ...] | None = None  # auto's timed plans (PlanTrials)
+
+    def install(self, profile: ModelProfile, cost: CostModel, planner: BoundPlanner | None = None) -> None:
+        """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
+        rank) by `planner` (default: the wrapped scheduler), check the hashes on every rank, and
+        execute the plans from the next backward pass."""
+        planner = planner or self.planner
+        layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
+                        for layout, entry in plan_layouts(profile, cost, planner, self.codec).items()}
+        plans = {layout: entry.plan for layout, entry in layout_plans.items()}
+        with waiting_for("the plan hash check", self.channels.timeout):
+            check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",
+                                    "give every rank the same model, profile, cost and options",
+                                    self.channels.process_group)
+        self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
+        self.predictions, self.speed = {}, ComputeSpeed()
+        self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
+                                               self.nonfinite, self.trace) for layout, plan in plans.items()}
+
+    def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
+        """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
+        the measured speed of the computation (``runtime.compute_speed``); cached."""
+        if rounds not in self.predictions:
+            scaled = at_compute_scale(self.layout_plans, self.speed.scale)
+            self.predictions[rounds] = step_prediction(scaled, rounds, self.cost)
+        return self.predictions[rounds]
+
+    def layout_reports(self) -> dict[str, LayoutReport]:
+        return {layout: LayoutReport(layout, entry.plan, entry.wire, self.cost)
+                for layout, entry in self.layout_plans.items()}
+
+    @property
+    def steady_layouts(self) -> tuple[str, ...]:
+        return tuple(steady_layouts(self.codec))
+
+    def iteration_done(self, done: IterationDone, predicted_busy: float) -> None:
+        """After a synchronised iteration: the measurement in progress goes on, or the predictions
+        follow the computation's speed."""
+        if self.measurement is not None:
+            self._carry_out(self.measurement.iteration_done(done))
+        elif self.speed.observe(done.stats.busy_time, predicted_busy):
+            self._follow_compute_speed()
+
+    def _carry_out(self, request: Install | ProfileMeasured | TrialsDone | None) -> None:
+        """What the measurement asked for."""
+        if isinstance(request, Install):
+            self.install(request.profile, self.cost, request.planner)
+        elif isinstance(request, ProfileMeasured):
+            self.rank_profiles = request.rank_profiles
+            self.measurement = PlanTrials.start(request.profile, self.cost, self.codec, self.planner,
+                                                self.plan_trials, self.channels, self.table.device)
+            first = self.measurement.first if self.measurement is not None else Install(request.profile)
+            self.install(first.profile, self.cost, first.planner)
+        elif isinstance(request, TrialsDone):
+            if request.planner is not None:
+                self.install(self.profile, self.cost, request.planner)
+            self.trial_times = request.times
+            self.measurement = None
+
+    def _follow_compute_speed(self) -> None:
+        """Rescale the predictions to the slowest rank's measured speed (a collective; every rank
+        reaches it at the same iteration)."""
+        with waiting_for("the compute-speed check (every 8 iterations)", self.channels.timeout):
+            ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, self.table.device)
+        if self.speed.rescale(ratio):
+            self.predictions = {}

@@ -1,0 +1,178 @@
+"""Network probes at wrap time, which calibrate the cost model: a + b·bytes from timed all-reduces,
+γ from pairs run at once on two channels (asc-wfbp eq. 9), the slowdowns of computation and
+communication from the two timed alone and together, and the computing thread's time per op
+(`host`) from computation run with and without small ops launched between its slices."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ...cost import CostModel
+from ...plan import BACKWARD, Op, Plan, Slice
+from ..channels import Channels
+from ..executor import PlanExecutor
+from . import median, now
+
+
+def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
+                 repeats: int = 5) -> CostModel:
+    """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1;
+    then the slowdowns, the host time per op and how many ops a channel runs at once.
+
+    Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
+    at most 64 MiB). Each size's time is the median of `repeats` runs, maximised over ranks (the
+    slowest rank is the one the others wait for).
+    """
+    element = torch.tensor([], dtype=dtype).element_size()
+    largest = max(4 << 20, min(int(largest_bytes), 64 << 20))
+    sizes = []
+    size = 4096
+    while size < largest:
+        sizes.append(size)
+        size *= 4
+    sizes.append(largest)
+    buffers = {s: torch.ones(max(1, s // element), dtype=dtype, device=device) for s in sizes}
+
+    def timed(size: int, channel_list: list[int]) -> float:
+        samples = []
+        for _ in range(repeats + 1):
+            started = now(buffers[size].device)
+            works = [channels.all_reduce(c, buffers[size] if c == 0 else buffers[size].clone()) for c in channel_list]
+            for work in works:
+                work.wait()
+            samples.append(now(buffers[size].device) - started)
+        return median(samples[1:])
+
+    times = [timed(s, [0]) for s in sizes]
+    pair_sizes = sizes[-2:] if len(channels) > 1 else []
+    pair_times = [timed(s, [0, 1]) for s in pair_sizes]
+    slowest = torch.tensor(times + pair_times, dtype=torch.float64, device=device)  # on the backend's device
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
+    measured = slowest.tolist()
+    byte_sizes = [buffers[s].numel() * element for s in sizes]
+    fitted = CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
+                           measured[len(sizes):], name="measured", clamp=True)
+    slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
+                     **measure_slowdowns(channels, fitted, dtype, device, repeats))
+    return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))
+
+
+class ProbeWork:
+    """Slices of computation for the probes: 128×128 matrix products, timed on the device."""
+
+    def __init__(self, dtype, device):
+        self.matrix = torch.ones(128, 128, dtype=dtype, device=device)
+        self.run(4)
+        self.per_product = median([self.run(8) / 8 for _ in range(3)])
+
+    def run(self, count: int) -> float:
+        """Seconds that `count` products take."""
+        started = now(self.matrix.device)
+        for _ in range(count):
+            torch.mm(self.matrix, self.matrix)
+        return now(self.matrix.device) - started
+
+    def count_for(self, seconds: float) -> int:
+        """Products in about `seconds`."""
+        return max(1, math.ceil(seconds / max(self.per_product, 1e-7)))
+
+
+def _median_over_ranks(channels: Channels, local: float, device) -> float:
+    per_rank = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(channels.world_size)]
+    dist.all_gather(per_rank, torch.tensor([local], dtype=torch.float64, device=device), group=channels.process_group)
+    return median([float(value.item()) for value in per_rank])
+
+
+SLOWDOWN_PROBE_SECONDS = 0.04  # with 10 ms, three fits in a row gave τ 2.56-4.86 (benchmarks/interference.py)
+MAX_SLOWDOWN = 20.0
+
+
+def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu",
+                      repeats: int = 5) -> dict[str, float]:
+    """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 40 ms of computation
+    (matrix products) and an all-reduce on channel 0 that outlasts it (three times as long by
+    `cost`, at most 64 MiB) timed alone and then together (`slowdowns_of`); each the median over
+    `repeats` such triples and then over the ranks; at least 1."""
+    work = ProbeWork(dtype, device)
+    count = work.count_for(SLOWDOWN_PROBE_SECONDS)
+    element = torch.tensor([], dtype=dtype).element_size()
+    nbytes = min(64 << 20, max(4096, (3 * SLOWDOWN_PROBE_SECONDS - cost.a) / cost.b))
+    buffer = torch.zeros(int(nbytes) // element, dtype=dtype, device=device)
+
+    def timed(compute: bool, transfer: bool) -> tuple[float, float]:
+        """(computation seconds, all-reduce seconds)."""
+        dist.barrier(group=channels.process_group)
+        started = now(work.matrix.device)
+        handle = channels.all_reduce(0, buffer) if transfer else None
+        computed = work.run(count) if compute else 0.0
+        if handle is not None:
+            handle.wait()
+        return computed, now(work.matrix.device) - started
+
+    timed(True, True)  # warm-up
+    compute, transfer = [], []
+    for _ in range(repeats):
+        alone = timed(True, False)[0]
+        transfer_alone = timed(False, True)[1]
+        sigma, tau = slowdowns_of(alone, transfer_alone, *timed(True, True))
+        compute.append(sigma)
+        transfer.append(tau)
+    return {"compute_slowdown": max(1.0, _median_over_ranks(channels, median(compute), device)),
+            "transfer_slowdown": max(1.0, _median_over_ranks(channels, median(transfer), device))}
+
+
+def slowdowns_of(compute_alone: float, transfer_alone: float, compute_together: float,
+                 transfer_together: float) -> tuple[float, float]:
+    """(σ, τ) from one probe: σ = together / alone for the computation; the transfer, which
+    outlasts it, progressed at 1/τ while the computation ran, so its extra time is D − D/τ with D
+    the computation's time together; τ capped at 20."""
+    extra = transfer_together - transfer_alone
+    tau = compute_together / max(compute_together - extra, compute_together / MAX_SLOWDOWN)
+    return compute_together / compute_alone, min(MAX_SLOWDOWN, tau)
+
+
+HOST_PROBE_OPS = 16
+
+
+def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu", repeats: int = 5,
+                 ops: int = HOST_PROBE_OPS) -> float:
+    """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
+    products, each about twice `cost.a`, so that an op is mostly done before the next
+    launches) timed alone and then with one single-element op launched through a PlanExecutor
+    after each slice, as the runtime does; the difference per op, the median over `repeats` such
+    pairs and then over the ranks (one rank descheduled in one pair must not set it for all). The
+    ops are completed after the clock stops: what remains of their transfers then is
+    communication, not the computing thread's time. A single-element op barely transmits, so the
+    simulator's slowdown σ (charged while ops transmit) takes no share of the difference."""
+    names = [f"probe{i}" for i in range(ops)]
+    parameters = {}
+    for name in names:
+        parameters[name] = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        parameters[name].grad = torch.ones_like(parameters[name])
+    plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
+    executor = PlanExecutor(plan, parameters, channels)
+    work = ProbeWork(dtype, device)
+    count = work.count_for(2 * cost.a)
+
+    def timed(launch: bool) -> float:
+        executor.start_iteration(0)
+        dist.barrier(group=channels.process_group)
+        started = now(work.matrix.device)
+        for name in names:
+            work.run(count)
+            if launch:
+                executor.mark_ready(name)
+        elapsed = now(work.matrix.device) - started
+        if launch:
+            executor.wait_all()
+        return elapsed
+
+    timed(True)  # warm-up
+    differences = []
+    for _ in range(repeats):
+        alone = timed(False)
+        differences.append(timed(True) - alone)
+    return max(0.0, _median_over_ranks(channels, median(differences), device) / ops)
