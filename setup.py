@@ -26,7 +26,7 @@ setup(
     package_dir=FOLDERS,
     package_data={"": ["*.yaml"]},  # every package ships its YAML (Hydra config groups are packages)
     install_requires=["torch>=2.1", "numpy", "scipy", "matplotlib", "pyyaml", "scikit-learn", "highspy>=1.7",
-                      "pytorch-lightning>=2.4", "hydra-core>=1.3,<1.4", "wandb"],
+                      "pytorch-lightning>=2.4", "hydra-core>=1.3,<1.4", "wandb", "typing_extensions"],
     extras_require={
         "triton": ["triton==3.9.0"],
         # DeepSpeed builds from source: install it after torch with --no-build-isolation

@@ -43,7 +43,19 @@ def gather_from_all(value, process_group) -> list:
 
 
 def check_same_on_all_ranks(value, what: str, remedy: str, process_group) -> None:
-    """Raise on every rank if some rank's `value` (picklable, comparable) differs from rank 0's."""
+    """Raise on every rank if some rank's `value` (picklable, comparable) differs from rank 0's.
+
+    A collective: every rank of `process_group` must call it.
+
+    Args:
+        value: this rank's value; every rank's is gathered and compared with ``==`` to rank 0's.
+        what: names the value in the ConfigError (``"ranks [..] have a different {what} from rank 0"``).
+        remedy: what to do about it, appended to the message.
+        process_group: the group to compare over (None: the default group).
+
+    Raises:
+        ConfigError: on every rank, when some rank's value differs from rank 0's.
+    """
     values = gather_from_all(value, process_group)
     differing = [rank for rank, v in enumerate(values) if v != values[0]]
     if differing:

@@ -107,6 +107,16 @@ class CostModel:
         """a and b of an N-worker all-reduce from point-to-point α + β·M (mg-wfbp Table II).
 
         `sum_time` is the time to add two numbers per byte (Table II's γ; not the contention γ).
+
+        Args:
+            alpha: point-to-point start-up time α (seconds).
+            beta: point-to-point transfer time per byte β (seconds/byte).
+            workers: N, the number of workers (an integer >= 2).
+            sum_time: summation time per byte (seconds/byte); 0 leaves it out.
+            algorithm: the all-reduce's row of Table II: "ring", "binary_tree", "recursive_doubling"
+                or "halving_doubling".
+            gamma: the contention factor γ of the model (>= 1).
+            name: the model's name (None: "<algorithm>-<N>").
         """
         check_workers(workers)
         n = workers
@@ -150,7 +160,16 @@ class CostModel:
 
         A fit with a ≤ 0 or b ≤ 0 raises, unless `clamp` (for live measurements, where such a fit
         means the term is below what the samples resolve): then it is set to its smallest value
-        consistent with the samples (a: 1% of the fastest sample; b: 1e-15 s/byte)."""
+        consistent with the samples (a: 1% of the fastest sample; b: 1e-15 s/byte).
+
+        Args:
+            sizes, times: one all-reduce's message size (bytes, >= 0) and measured time (seconds, > 0)
+                per sample; at least two distinct sizes.
+            concurrent_sizes, concurrent_times: a size (bytes, > 0) and the time (seconds) two all-reduces
+                of that size started together take until both end, a + γ·b·m; one time per size; empty: γ = 1.
+            name: the model's name.
+            clamp: raise the fitted a and b to at least those smallest values instead of refusing a ≤ 0 or b ≤ 0.
+        """
         x = np.asarray(sizes, dtype=float)
         y = np.asarray(times, dtype=float)
         if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:

@@ -11,5 +11,13 @@ class PeersTimedOut(RuntimeError):
 
 
 def unknown_name(kind: str, name: object, valid) -> ConfigError:
-    """The error for a name that is not among the valid ones, listing them."""
+    """The error for a name that is not among the valid ones, listing them.
+
+    Returned, not raised: the caller raises it (or puts its message into its own).
+
+    Args:
+        kind: what the name names, for the message (e.g. ``"model"``, ``"data set"``).
+        name: the name given (any object; shown with ``repr``).
+        valid: the valid names (any iterable of strings, e.g. a dict's keys); listed sorted.
+    """
     return ConfigError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(valid))}")

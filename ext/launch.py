@@ -90,6 +90,22 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     comes back instead; a rank whose process dies without reporting (a crash, a kill, arguments
     it cannot unpickle) fails with its exit code at once. Ranks that do not report within `timeout`
     seconds are killed.
+
+    Args:
+        fn: called as ``fn(rank, world_size, *args)`` in each rank's process, inside an initialised
+            default process group; it and `args` must pickle (a module-level function, not a lambda).
+        world_size: the number of ranks (processes) to start.
+        *args: passed on to `fn` after the rank and world size.
+        backend: the torch.distributed backend of the ranks' process group (``"gloo"``; ``"nccl"`` on GPUs).
+        threads: torch's intra-op thread count in each rank (``torch.set_num_threads``).
+        timeout: seconds to wait for every rank to report; then TimeoutError, and the ranks still running
+            are killed.
+        return_errors: return every rank's ``("ok" | "error", value)`` pair (the value of an error: its
+            traceback, as text) instead of raising RankFailed.
+
+    Raises:
+        RankFailed: when a rank raised or died, unless `return_errors`.
+        TimeoutError: when some rank did not report within `timeout`.
     """
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(["gradsync"])  # read when the server starts (the first call)

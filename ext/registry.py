@@ -67,7 +67,16 @@ def anything(value) -> str | None:
 
 def check_options(owner: str, declared: tuple[Option, ...], given: dict) -> dict:
     """`given` checked against `declared`: unknown names refused (listing the valid ones), each
-    value checked. Returns the given options (defaults are not filled in)."""
+    value checked. Returns the given options (defaults are not filled in; see `with_defaults`).
+
+    Args:
+        owner: names what the options belong to in the ConfigError (e.g. ``"scheduler 'us_byte'"``).
+        declared: the options it accepts.
+        given: option name to value, as the user gave them.
+
+    Raises:
+        ConfigError: for an unknown option name or a value that fails its option's check.
+    """
     valid = [option.name for option in declared]
     unknown = sorted(set(given) - set(valid), key=str)
     if unknown:

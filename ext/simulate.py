@@ -115,7 +115,15 @@ class InFlight:
         return min(events, default=math.inf)
 
     def advance(self, clock: float, step: float, pace: float = 1.0) -> list[int]:
-        """Let `step` seconds pass from `clock` at `pace`; the ops that finished, in no particular order."""
+        """Let `step` seconds pass from `clock` at `pace`; the ops that finished, in no particular order.
+
+        Args:
+            clock: the current time (seconds), which scales the tolerance for an op counted as done.
+            step: seconds to let pass; at most ``next_event(clock, pace) - clock``, since an op whose
+                start-up ends within the step transmits only from the next call on.
+            pace: how many times slower than alone the transmissions progress (the cost model's
+                `transfer_slowdown` while the computing thread works, else 1).
+        """
         slowdown = contention_slowdown(self.cost.gamma, len(self.transmitting))
         tolerance = 1e-12 * max(1.0, clock + step)
         finished = []
@@ -145,7 +153,13 @@ class ThreadTask:
 
 def launch_positions(plan: Plan, layer_of: dict[str, int], layers: int) -> list[int]:
     """The hook each backward-phase op launches in, as a backward position (0: layer L, computed
-    first): the hook of the layer that completes it or, as ops launch in channel order, a later one."""
+    first): the hook of the layer that completes it or, as ops launch in channel order, a later one.
+
+    Args:
+        plan: the plan; only its backward-phase ops get a position (the others' entries are 0).
+        layer_of: the index of the layer owning each tensor, by tensor name.
+        layers: L, the number of layers of the profile.
+    """
     last = layers - 1
     position = [0] * len(plan.ops)
     for indices in ops_by_channel(plan.ops).values():
@@ -161,7 +175,14 @@ def thread_tasks(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], ho
     """The computing thread's iteration (module docstring): backward layers, each followed by the
     launches in its hook (`host` each, in plan order); the forward-phase ops' launches; the wait for
     the ops that gate the step and the update of the layers they carry; each layer's forward, after
-    the ops that gate it (forward-phase and deferred ones) and its deferred update."""
+    the ops that gate it (forward-phase and deferred ones) and its deferred update.
+
+    Args:
+        plan: the plan whose ops are launched.
+        profile: the layers' forward, backward and update times (seconds).
+        layer_of: the index of the layer owning each tensor, by tensor name.
+        host: seconds of the computing thread per op launch (the cost model's `host`).
+    """
     last = len(profile.layers) - 1
     position = launch_positions(plan, layer_of, len(profile.layers))
     in_hook: dict[int, list[int]] = {}
@@ -190,7 +211,14 @@ def thread_tasks(plan: Plan, profile: ModelProfile, layer_of: dict[str, int], ho
 
 
 def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
-    """Simulate one iteration of `plan` (see the module docstring for the model)."""
+    """Simulate one iteration of `plan` (see the module docstring for the model).
+
+    Args:
+        plan: the ops to run.
+        profile: the model's per-layer times and tensors (ModelProfile) the plan was made for; for a
+            compressed plan, its wire profile.
+        cost: the all-reduce cost model, with its contention, host time, slowdowns and ops per channel.
+    """
     layer_of = profile.layer_of_tensor()
     tensors = profile.tensor_map()
     tasks = thread_tasks(plan, profile, layer_of, cost.host)

@@ -9,7 +9,14 @@ _COLOURS = {"backward": "#4C72B0", "forward": "#55A868", "comm-backward": "#DD84
 
 
 def plot_timeline(timeline: Timeline, path: str | Path, title: str = "") -> Path:
-    """Write the chart as PNG to `path` and return the path."""
+    """Write the chart as PNG to `path` and return the path.
+
+    Args:
+        timeline: the simulated iteration; its times (seconds) are drawn in milliseconds.
+        path: the PNG file to write (its folder must exist); an existing file is overwritten.
+        title: put before the iteration and non-overlapped communication times in the chart's
+            title ("": those times alone).
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -35,7 +35,20 @@ def train(cfg: DictConfig, output_dir: Path, overrides: tuple[str, ...] = (), di
     """Check `cfg` (with the `directions` of the sweeper optimising its objectives, if any), run the
     job on `cfg.trainer.devices` local ranks, write `result.json` in `output_dir` (with the job's
     command-line `overrides`, which label it in a sweep summary), print the report and return rank
-    0's result."""
+    0's result.
+
+    Args:
+        cfg: the composed job config (the structure of gradsync.recipes.schema.Config).
+        output_dir: the job's directory (created if missing): result.json, the timeline PNG and the
+            logger's files go there.
+        overrides: the job's command-line overrides (``"strategy=us_byte"``, ...), stored in the result.
+        directions: the directions of the sweeper optimising the job's objectives, which must number
+            one per objective of ``cfg.objectives``; None when the sweeper does not optimise.
+
+    Raises:
+        ConfigError: for a bad config; RankFailed or TimeoutError when a rank fails or does not
+            report within ``cfg.cluster.timeout`` seconds.
+    """
     schema.check(cfg, directions)
     job = OmegaConf.to_container(cfg, resolve=True)
     build_strategy(job)  # the strategy checks its own arguments here, before any rank starts
@@ -50,7 +63,13 @@ def train(cfg: DictConfig, output_dir: Path, overrides: tuple[str, ...] = (), di
 
 def run_rank(rank: int, world_size: int, job: dict, output_dir: str) -> dict:
     """One rank of a job (runs in a process of gradsync.launch.run_local): fit, then on rank 0
-    write the timeline and finish the W&B run. Returns plain values only."""
+    write the timeline and finish the W&B run. Returns plain values only.
+
+    Args:
+        rank, world_size: this rank and the number of ranks, as run_local passes them.
+        job: the resolved job config, as plain dicts and lists (``OmegaConf.to_container``).
+        output_dir: the job's directory, as a string.
+    """
     import pytorch_lightning as pl
     from pytorch_lightning.utilities import rank_zero_only
 

@@ -29,7 +29,22 @@ def fit(rank: int, world_size: int, model: str = "cnn", dataset: str = "digits",
     """Train on this rank's shard with SGD and a cosine learning-rate schedule; every rank returns
     the test accuracy after each epoch, the median iteration time and communication wait (an
     iteration that spans an evaluation between epochs does not move them) and the last step's wire
-    bytes (run it with gradsync.launch.run_local)."""
+    bytes (run it with gradsync.launch.run_local).
+
+    Args:
+        rank, world_size: this rank and the number of ranks (run_local passes them).
+        model: a gradsync.recipes.models name, built with its default options (which must suit the
+            data set: e.g. ``mlp`` takes 64 inputs, the digits' 8×8 pixels).
+        dataset: a gradsync.recipes.data name, loaded with its default options.
+        epochs: training epochs; the learning rate anneals (cosine) to zero over them.
+        scheduler, compressor: gradsync.wrap's scheduler name and compressor (None, a name, a
+            ``{"type": name, ...}`` dict or a Codec).
+        lr, momentum: SGD's initial learning rate and momentum.
+        batch_size: samples per step on each rank.
+        seed: seeds the model's initialisation, the shuffling of the shards and Python's `random`
+            (from which rank 0 draws the compressor's seed).
+        **wrap_options: passed on to gradsync.wrap (channels, profile, cost, planner options, ...).
+    """
     split = data.load(dataset, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
     torch.manual_seed(seed)
     random.seed(seed)  # rank 0 draws the compressor's seed from `random`: reproducible runs

@@ -38,7 +38,16 @@ def _loaders(x_train, y_train, x_test, y_test, rank: int, world_size: int, batch
 
 
 def digits(rank: int = 0, world_size: int = 1, batch_size: int = 32, seed: int = 0, test_fraction: float = 0.2) -> Split:
-    """scikit-learn's 1797 8×8 digit images (scaled to [0, 1]), a fixed shuffled train/test split."""
+    """scikit-learn's 1797 8×8 digit images (scaled to [0, 1]), a fixed shuffled train/test split.
+
+    Args:
+        rank, world_size: this rank and the number of ranks: rank takes every world_size-th training
+            sample from the rank-th (the set trimmed to a multiple of world_size).
+        batch_size: training samples per batch on each rank (the last partial batch is dropped).
+        seed: shuffles this rank's shard (with seed + rank); the data and the train/test split do
+            not depend on it.
+        test_fraction: the share of the images held out as the test set, in (0, 1).
+    """
     from sklearn.datasets import load_digits
 
     if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)) or not 0 < test_fraction < 1:
@@ -54,7 +63,19 @@ def digits(rank: int = 0, world_size: int = 1, batch_size: int = 32, seed: int =
 
 def synthetic_images(rank: int = 0, world_size: int = 1, batch_size: int = 32, seed: int = 0, samples: int = 2048,
                      size: int = 16, classes: int = 10) -> Split:
-    """Gaussian images whose class shifts the mean of one channel stripe: learnable, not trivial."""
+    """Gaussian images whose class shifts the mean of one channel stripe: learnable, not trivial.
+
+    Args:
+        rank, world_size: this rank and the number of ranks: rank takes every world_size-th training
+            sample from the rank-th (the set trimmed to a multiple of world_size).
+        batch_size: training samples per batch on each rank (the last partial batch is dropped).
+        seed: shuffles this rank's shard (with seed + rank); the data and the train/test split do
+            not depend on it.
+        samples: images in all; four fifths train, the rest test.
+        size: the side of the square one-channel images, in pixels.
+        classes: the number of classes; class c raises row ``c * size // classes`` (at most `size`
+            classes have a row of their own).
+    """
     generator = torch.Generator().manual_seed(99)
     y = torch.randint(0, classes, (samples,), generator=generator)
     x = torch.randn(samples, 1, size, size, generator=generator)
@@ -66,7 +87,20 @@ def synthetic_images(rank: int = 0, world_size: int = 1, batch_size: int = 32, s
 
 def synthetic_tokens(rank: int = 0, world_size: int = 1, batch_size: int = 32, seed: int = 0, samples: int = 2048,
                      length: int = 32, vocab: int = 256, classes: int = 10) -> Split:
-    """Token sequences whose class is the most frequent of `classes` marker tokens."""
+    """Token sequences whose class is the most frequent of `classes` marker tokens.
+
+    Args:
+        rank, world_size: this rank and the number of ranks: rank takes every world_size-th training
+            sample from the rank-th (the set trimmed to a multiple of world_size).
+        batch_size: training samples per batch on each rank (the last partial batch is dropped).
+        seed: shuffles this rank's shard (with seed + rank); the data and the train/test split do
+            not depend on it.
+        samples: sequences in all; four fifths train, the rest test.
+        length: tokens per sequence.
+        vocab: every token is below it; tokens below `classes` are the class markers (about 30% of a
+            sequence), the others fill it. Must exceed `classes`.
+        classes: the number of classes.
+    """
     if vocab <= classes:
         raise ConfigError(f"synthetic_tokens: 'vocab' must be greater than 'classes' ({classes}): the tokens "
                           f"below it mark the class, the others fill the sequence; got {vocab!r}")

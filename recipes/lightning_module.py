@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.trainer.states import TrainerFn
+from typing_extensions import override
 
 from . import data, models
 
@@ -99,9 +100,11 @@ class IterationTimer(pl.Callback):
         self.steady_iteration = None  # the runtime's iteration count then
         self.started = 0.0
 
+    @override
     def on_train_batch_start(self, _trainer, _module, _batch, _index) -> None:
         self.started = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer, _module, _outputs, _batch, _index) -> None:
         self.step_times.append(time.perf_counter() - self.started)
         self.runtime = self.runtime_of(trainer) or self.runtime

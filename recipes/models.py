@@ -17,6 +17,13 @@ def small_cnn(classes: int = 10, channels: int = 1) -> nn.Module:
 
 
 def mlp(inputs: int = 64, classes: int = 10, hidden: int = 128) -> nn.Module:
+    """Three linear layers with ReLUs over the flattened sample.
+
+    Args:
+        inputs: values per sample (64 for the digits' 8×8 pixels).
+        classes: outputs, one per class.
+        hidden: the width of the two hidden layers.
+    """
     return nn.Sequential(nn.Flatten(), nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, classes))
 

@@ -16,7 +16,15 @@ PLAN_COLUMNS = ["layout", "op", "channel", "phase", "bytes", "tensors", "first_t
 
 
 def make_logger(logger_cfg: dict, output_dir: Path, run_name: str, config: dict):
-    """The Lightning logger of `logger_cfg["kind"]` writing under `output_dir` (False for none)."""
+    """The Lightning logger of `logger_cfg["kind"]` writing under `output_dir` (False for none).
+
+    Args:
+        logger_cfg: the job's logger section: ``kind`` (``"wandb"``, ``"csv"`` or ``"none"``) and,
+            for W&B, ``project``, ``offline`` and ``tags``.
+        output_dir: the job's directory: the W&B run is written under it, the CSV logs under ``csv/``.
+        run_name: the W&B run's name (the recipes give the strategy name); W&B only.
+        config: logged as the W&B run's hyperparameters (the recipes give the whole job config); W&B only.
+    """
     kind = logger_cfg["kind"]
     if kind == "wandb":
         import wandb
@@ -50,7 +58,15 @@ def plan_rows(report) -> list[list]:
 
 
 def log_job(logger, breakdown: dict, rows: list[list] | None, timeline_png: Path | None) -> None:
-    """Add the breakdown (summary), the plan table and the timeline image to the W&B run."""
+    """Add the breakdown (summary), the plan table and the timeline image to the W&B run.
+
+    Args:
+        logger: the WandbLogger of `make_logger`.
+        breakdown: IterationTimer.breakdown's values; each one not None goes into the run's summary
+            as ``breakdown/<key>``.
+        rows: the plan table's rows (`plan_rows`), or None (no gradsync plan: Lightning's DDP).
+        timeline_png: the timeline image to log, or None.
+    """
     import wandb
 
     run = logger.experiment

@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from typing_extensions import override
 
 from .. import compress, planners
 from ..errors import ConfigError, unknown_name
@@ -126,6 +127,7 @@ class GradSyncOverrides:
                            for hook in ("on_after_backward", "on_before_optimizer_step")))
 
     # -- per-iteration statistics ------------------------------------------------------------------
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """Step, then log the iteration's statistics (none when a GradScaler skipped the step)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

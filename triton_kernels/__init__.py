@@ -46,6 +46,13 @@ def error_feedback_update(M, E, P, Q, out=None):
     Written into `out` (E, in place, by default; `out` may also be M or a fresh tensor) and
     returned. The kernel reads M and E once and writes the result once; float16 inputs are
     accumulated in float32 and rounded once.
+
+    Args:
+        M: the gradient matrix (n, m), float16 or float32, contiguous.
+        E: the error-feedback matrix (n, m), M's dtype, contiguous.
+        P, Q: the low-rank factors (n, r) and (m, r), 1 <= r <= 32, M's dtype, contiguous.
+        out: the (n, m) tensor written, M's dtype; None writes into E. All five tensors share one
+            device (CUDA for the Triton kernel).
     """
     return _implementation(M, E, P, Q).error_feedback_update(M, E, P, Q, out)
 
@@ -59,7 +66,14 @@ def sign_pack(x):
 
 def sign_unpack(packed, scale, numel, dtype=torch.float32):
     """The 1-D tensor of `numel` values +scale (bit 1) or −scale (bit 0) as `dtype`: the inverse of
-    sign_pack up to magnitude, sign_unpack(*sign_pack(x), x.numel()) = scale·sign(x), sign(0) = +1."""
+    sign_pack up to magnitude, sign_unpack(*sign_pack(x), x.numel()) = scale·sign(x), sign(0) = +1.
+
+    Args:
+        packed: the sign bits, uint8 of shape (ceil(numel / 8),), contiguous, as sign_pack returns.
+        scale: the magnitude written, a finite number or a one-element tensor (sign_pack's scale).
+        numel: the number of elements to unpack, >= 1 (the length of the tensor that was packed).
+        dtype: the result's dtype, torch.float16 or torch.float32.
+    """
     return _implementation(packed).sign_unpack(packed, scale, numel, dtype)
 
 
@@ -78,6 +92,13 @@ def topk_threshold(x, k, samples=None, seed=0):
     standard deviation of about 1/sqrt(j) = sqrt(N / (s·k)) (binomial sampling of the quantile
     level). The default s = max(1024, 256·N/k) gives j ≈ 256, about ±6%; s >= N uses the whole
     tensor and gives the exact k-th largest magnitude.
+
+    Args:
+        x: the tensor, of any shape, float16 or float32, contiguous, non-empty; N = x.numel().
+        k: the number of elements the threshold aims at, 1 <= k <= N.
+        samples: the sample size s, >= 1; None for the default above; s >= N uses the whole tensor.
+        seed: an integer seeding the sample's indices: on one device, the same seed draws the same
+            points with either implementation.
     """
     return _implementation(x).topk_threshold(x, k, samples, seed)
 
@@ -90,7 +111,14 @@ def count_above(x, t):
 def topk_by_threshold(x, k, samples=None, seed=0):
     """(values, indices) of exactly the k largest |x| over x.reshape(-1), largest first; values keep
     their sign. Threshold about three standard deviations below the estimated k-th magnitude, exact
-    top k of the survivors (and of the whole tensor if fewer than k survive)."""
+    top k of the survivors (and of the whole tensor if fewer than k survive).
+
+    Args:
+        x: the tensor, of any shape, float16 or float32, contiguous; indices point into x.reshape(-1).
+        k: the number of elements returned, 1 <= k <= x.numel().
+        samples, seed: the sample size (None: the default) and seed of the threshold estimate, as in
+            topk_threshold; the result is exact whatever they are, only its speed depends on them.
+    """
     return _implementation(x).topk_by_threshold(x, k, samples, seed)
 
 

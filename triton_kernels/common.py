@@ -28,13 +28,24 @@ def _fail(function: str, message: str) -> ConfigError:
 
 
 def tensor(function: str, field: str, value) -> torch.Tensor:
+    """`value` itself when it is a torch.Tensor; anything else raises ConfigError.
+
+    Args:
+        function: the public function checked, named at the start of the error message.
+        field: the argument's name, as the message quotes it.
+        value: the argument.
+    """
     if not isinstance(value, torch.Tensor):
         raise _fail(function, f"{field!r} must be a torch.Tensor, got {type(value).__name__}")
     return value
 
 
 def floating(function: str, field: str, value) -> torch.Tensor:
-    """A contiguous, non-empty float16 or float32 tensor."""
+    """A contiguous, non-empty float16 or float32 tensor.
+
+    Args:
+        function, field, value: as for ``tensor``.
+    """
     value = contiguous(function, field, value)
     if value.dtype not in FLOAT_DTYPES:
         raise _fail(function, f"{field!r} dtype must be one of {', '.join(FLOAT_DTYPES.values())}, got {value.dtype}")
@@ -44,7 +55,11 @@ def floating(function: str, field: str, value) -> torch.Tensor:
 
 
 def contiguous(function: str, field: str, value) -> torch.Tensor:
-    """The kernels index memory directly: a strided view would be read wrongly, so it is refused."""
+    """The kernels index memory directly: a strided view would be read wrongly, so it is refused.
+
+    Args:
+        function, field, value: as for ``tensor``.
+    """
     value = tensor(function, field, value)
     if not value.is_contiguous():
         raise _fail(function, f"{field!r} must be contiguous (strides {tuple(value.stride())}); "
@@ -60,7 +75,13 @@ def same_device(function: str, named: dict[str, torch.Tensor]) -> None:
 
 
 def error_feedback_args(M, E, P, Q, out) -> torch.Tensor:
-    """Check the shapes (n, m), (n, m), (n, r), (m, r) and return the output tensor (E by default)."""
+    """Check the shapes (n, m), (n, m), (n, r), (m, r) and return the output tensor (E by default).
+
+    Args:
+        M, E, P, Q, out: the arguments of ``gradsync.triton_kernels.error_feedback_update``; each
+            tensor must also be contiguous, non-empty, of M's dtype (float16 or float32) and on
+            M's device.
+    """
     function = "error_feedback_update"
     M, E, P, Q = (floating(function, name, t) for name, t in zip("MEPQ", (M, E, P, Q)))
     out = E if out is None else floating(function, "out", out)
@@ -89,13 +110,26 @@ def packed_length(numel: int) -> int:
 
 
 def positive_count(function: str, field: str, value) -> int:
+    """`value` when it is an integer >= 1 (a bool is refused); else ConfigError.
+
+    Args:
+        function, field, value: as for ``tensor``.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _fail(function, f"{field!r} must be an integer >= 1, got {value!r}")
     return value
 
 
 def packed_args(function: str, packed, numel, ranks: bool) -> torch.Tensor:
-    """Packed signs: uint8 of shape (bytes,), or (world, bytes) when `ranks`, for `numel` elements."""
+    """Packed signs: uint8 of shape (bytes,), or (world, bytes) when `ranks`, for `numel` elements.
+
+    Args:
+        function: the public function checked, named in the error message.
+        packed: the tensor of sign bits, contiguous, bytes = ceil(numel / 8).
+        numel: the number of elements packed, an integer >= 1.
+        ranks: True for sign_majority_unpack's one row per rank (world >= 1), False for
+            sign_unpack's single row.
+    """
     numel = positive_count(function, "numel", numel)
     packed = contiguous(function, "packed", packed)
     expected = "(world, bytes)" if ranks else "(bytes,)"
@@ -114,7 +148,14 @@ def output_dtype(function: str, dtype) -> torch.dtype:
 
 
 def scalar(function: str, field: str, value, device: torch.device) -> torch.Tensor:
-    """A Python number or one-element tensor as a 0-d float32 tensor on `device` (no host sync)."""
+    """A Python number or one-element tensor as a 0-d float32 tensor on `device` (no host sync).
+
+    Args:
+        function, field: as for ``tensor``.
+        value: a finite int or float (not a bool), or a one-element tensor of any dtype and device
+            (its value is not checked, so as not to synchronise).
+        device: where the result is placed (that of the tensor it is applied to).
+    """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise _fail(function, f"{field!r} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
@@ -125,6 +166,14 @@ def scalar(function: str, field: str, value, device: torch.device) -> torch.Tens
 
 
 def topk_args(function: str, x, k, samples, seed) -> torch.Tensor:
+    """`x` once the arguments of topk_threshold or topk_by_threshold are checked.
+
+    Args:
+        function: the public function checked, named in the error message.
+        x, k, samples, seed: its arguments (see ``gradsync.triton_kernels.topk_threshold``): x a
+            contiguous non-empty float16 or float32 tensor, 1 <= k <= x.numel(), samples None or an
+            integer >= 1, seed an integer.
+    """
     x = floating(function, "x", x)
     k = positive_count(function, "k", k)
     if k > x.numel():
@@ -138,7 +187,13 @@ def topk_args(function: str, x, k, samples, seed) -> torch.Tensor:
 
 def sample_size(numel: int, k: int, samples: int | None) -> int:
     """s = `samples`, or by default enough that about TARGET_SAMPLE_HITS sample points exceed the
-    threshold (s = 256·N/k, at least 1024); never more than N (then the whole tensor is used)."""
+    threshold (s = 256·N/k, at least 1024); never more than N (then the whole tensor is used).
+
+    Args:
+        numel: N, the element count of the tensor.
+        k: the number of elements the threshold aims at, 1 <= k <= N.
+        samples: the requested sample size (>= 1), or None for the default.
+    """
     if samples is None:
         samples = max(MIN_SAMPLES, math.ceil(TARGET_SAMPLE_HITS * numel / k))
     return min(samples, numel)
@@ -146,7 +201,13 @@ def sample_size(numel: int, k: int, samples: int | None) -> int:
 
 def candidate_k(numel: int, k: int, samples: int) -> int:
     """The k the candidate threshold aims at: k plus CANDIDATE_MARGIN_SIGMAS standard deviations of
-    the count above an estimated threshold, sqrt(k·N/s); k itself when the whole tensor is used."""
+    the count above an estimated threshold, sqrt(k·N/s); k itself when the whole tensor is used.
+
+    Args:
+        numel: N, the element count of the tensor.
+        k: the number of elements to select, 1 <= k <= N.
+        samples: s, the sample size actually drawn (sample_size's result, at most N).
+    """
     if samples >= numel:
         return k
     return min(numel, math.ceil(k + CANDIDATE_MARGIN_SIGMAS * math.sqrt(k * numel / samples)))
@@ -160,6 +221,13 @@ def estimate_threshold(x: torch.Tensor, k: int, samples: int | None, seed: int,
     k of the N elements satisfy |x| >= threshold. `gather_abs(flat_x, indices)` returns
     |flat_x[indices]| as float32 (a Triton gather or torch indexing); the indices come from a torch
     generator seeded with `seed` on x's device, so both implementations sample the same points.
+
+    Args:
+        x: the tensor, already checked by topk_args; N = x.numel().
+        k: the number of elements the threshold aims at, 1 <= k <= N.
+        samples: the requested sample size, or None (s is then chosen by sample_size).
+        seed: the integer seed of the index generator.
+        gather_abs: the gather described above.
     """
     flat, numel = x.reshape(-1), x.numel()
     size = sample_size(numel, k, samples)
@@ -181,6 +249,13 @@ def select_topk(x: torch.Tensor, k: int, samples: int | None, seed: int,
     elements, a little below the estimated k-th magnitude; the exact top k of the elements with
     |x| >= t is the top k of x whenever at least k survive, and when fewer do (a low-probability
     miss of the estimate) the top k of the whole tensor is taken.
+
+    Args:
+        x: the tensor, already checked by topk_args; indices point into x.reshape(-1).
+        k: the number of elements to select, 1 <= k <= x.numel().
+        samples, seed: the requested sample size (None: sample_size's default) and the seed,
+            passed on to `threshold`.
+        threshold: the implementation's topk_threshold, as described above.
     """
     flat = x.reshape(-1)
     size = sample_size(flat.numel(), k, samples)

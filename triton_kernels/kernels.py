@@ -62,7 +62,11 @@ def _error_feedback_kernel(m_ptr, e_ptr, p_ptr, q_ptr, out_ptr, n, m, r,
 
 def error_feedback_update(M, E, P, Q, out=None):
     """E_new = M + E − P·Qᵀ without materialising P·Qᵀ: each program holds a BLOCK_N × BLOCK_M tile,
-    its rows of P and columns of Qᵀ, and forms the rank-r product in registers."""
+    its rows of P and columns of Qᵀ, and forms the rank-r product in registers.
+
+    Args:
+        M, E, P, Q, out: as ``gradsync.triton_kernels.error_feedback_update``.
+    """
     out = common.error_feedback_args(M, E, P, Q, out)
     (n, m), r = M.shape, P.shape[1]
     use_dot = r > EF_LOOP_MAX_RANK
@@ -112,6 +116,11 @@ def _sign_unpack_kernel(packed_ptr, scale_ptr, out_ptr, numel, BLOCK: tl.constex
 
 
 def sign_unpack(packed, scale, numel, dtype=torch.float32):
+    """±scale per sign bit, written by a Triton kernel (one program per ELEMENT_BLOCK elements).
+
+    Args:
+        packed, scale, numel, dtype: as ``gradsync.triton_kernels.sign_unpack``.
+    """
     packed = common.packed_args("sign_unpack", packed, numel, ranks=False)
     dtype = common.output_dtype("sign_unpack", dtype)
     scale = common.scalar("sign_unpack", "scale", scale, packed.device)
@@ -162,6 +171,11 @@ def _gather_abs(flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def topk_threshold(x, k, samples=None, seed=0):
+    """Sampled threshold estimate (common.estimate_threshold) with the sample gathered by a Triton kernel.
+
+    Args:
+        x, k, samples, seed: as ``gradsync.triton_kernels.topk_threshold``.
+    """
     x = common.topk_args("topk_threshold", x, k, samples, seed)
     return common.estimate_threshold(x, k, samples, seed, _gather_abs)
 
@@ -186,6 +200,10 @@ def count_above(x, t):
 
 
 def topk_by_threshold(x, k, samples=None, seed=0):
-    """The exact top k through the Triton threshold estimate (common.select_topk)."""
+    """The exact top k through the Triton threshold estimate (common.select_topk).
+
+    Args:
+        x, k, samples, seed: as ``gradsync.triton_kernels.topk_by_threshold``.
+    """
     x = common.topk_args("topk_by_threshold", x, k, samples, seed)
     return common.select_topk(x, k, samples, seed, topk_threshold)

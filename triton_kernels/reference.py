@@ -11,7 +11,11 @@ _BITS_OF_BYTE = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
 
 def error_feedback_update(M, E, P, Q, out=None):
     """E_new = M + E − P·Qᵀ (ACP-SGD Algorithm 2, lines 6 and 11), computed in float32, written
-    into `out` (E by default) and returned."""
+    into `out` (E by default) and returned.
+
+    Args:
+        M, E, P, Q, out: as ``gradsync.triton_kernels.error_feedback_update``.
+    """
     out = common.error_feedback_args(M, E, P, Q, out)
     low_rank = P.float() @ Q.float().T
     return out.copy_(M.float() + E.float() - low_rank)
@@ -46,7 +50,11 @@ def _lookup(table: torch.Tensor, packed: torch.Tensor, numel: int) -> torch.Tens
 
 
 def sign_unpack(packed, scale, numel, dtype=torch.float32):
-    """`numel` elements of +scale where the bit is 1 and −scale where it is 0, as `dtype`."""
+    """`numel` elements of +scale where the bit is 1 and −scale where it is 0, as `dtype`.
+
+    Args:
+        packed, scale, numel, dtype: as ``gradsync.triton_kernels.sign_unpack``.
+    """
     packed = common.packed_args("sign_unpack", packed, numel, ranks=False)
     dtype = common.output_dtype("sign_unpack", dtype)
     scale = common.scalar("sign_unpack", "scale", scale, packed.device)
@@ -68,7 +76,11 @@ def _gather_abs(flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def topk_threshold(x, k, samples=None, seed=0):
-    """Sampled estimate of t with about k elements |x| >= t (see common.estimate_threshold)."""
+    """Sampled estimate of t with about k elements |x| >= t (see common.estimate_threshold).
+
+    Args:
+        x, k, samples, seed: as ``gradsync.triton_kernels.topk_threshold``.
+    """
     x = common.topk_args("topk_threshold", x, k, samples, seed)
     return common.estimate_threshold(x, k, samples, seed, _gather_abs)
 
@@ -81,6 +93,10 @@ def count_above(x, t):
 
 
 def topk_by_threshold(x, k, samples=None, seed=0):
-    """The exact top k through the torch threshold estimate (common.select_topk)."""
+    """The exact top k through the torch threshold estimate (common.select_topk).
+
+    Args:
+        x, k, samples, seed: as ``gradsync.triton_kernels.topk_by_threshold``.
+    """
     x = common.topk_args("topk_by_threshold", x, k, samples, seed)
     return common.select_topk(x, k, samples, seed, topk_threshold)

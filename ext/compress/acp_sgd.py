@@ -245,7 +245,15 @@ class ACPSGD(Codec):
 
 def combined_blocks(matrix: torch.Tensor, total: torch.Tensor, deferred, out: torch.Tensor):
     """Row blocks of M + E = M + total − L·Rᵀ, each formed once into `out` and yielded while it is
-    in cache (one pass over M and the stored sum)."""
+    in cache (one pass over M and the stored sum). Yields (rows, block): a row slice and
+    out[rows].
+
+    Args:
+        matrix: the gradient M (n, m).
+        total: the stored sum of the last step (n, m), so that E = total − L·Rᵀ.
+        deferred: the last step's local factors (L (n, r), R (m, r)), or None when `total` is E.
+        out: the (n, m) buffer that receives M + E (it becomes the stored sum), M's dtype and device.
+    """
     for rows in row_blocks(matrix):
         combined = torch.add(matrix[rows], total[rows], out=out[rows])
         if deferred is not None:
@@ -257,7 +265,12 @@ def compress_p_with_error(matrix: torch.Tensor, total: torch.Tensor, deferred, q
                           out: torch.Tensor) -> torch.Tensor:
     """P = (M + E)·Q (Algorithm 2, line 5), with `out` ← M + E; the caller keeps (P, Q) so that
     E ← out − P·Qᵀ (line 6) is applied in the next step's pass. The query is column-major, so the
-    product is BLAS's fast A·Bᵀ form."""
+    product is BLAS's fast A·Bᵀ form.
+
+    Args:
+        matrix, total, deferred, out: as in combined_blocks.
+        query: Q = Orth(Q_prev) (m, r), M's dtype and device.
+    """
     factor = matrix.new_empty(matrix.shape[0], query.shape[1])
     for rows, combined in combined_blocks(matrix, total, deferred, out):
         torch.mm(combined, query, out=factor[rows])
@@ -268,7 +281,12 @@ def compress_q_with_error(matrix: torch.Tensor, total: torch.Tensor, deferred, q
                           out: torch.Tensor) -> torch.Tensor:
     """Q = (M + E)ᵀ·P (Algorithm 2, line 10), summed as Pᵀ·(M + E) over row blocks, with `out` ←
     M + E; the caller keeps (P, Q) so that E ← out − P·Qᵀ (line 11) is applied in the next step's
-    pass: the update needs the whole Q, which a single pass cannot have."""
+    pass: the update needs the whole Q, which a single pass cannot have.
+
+    Args:
+        matrix, total, deferred, out: as in combined_blocks.
+        query: P = Orth(P_prev) (n, r), M's dtype and device.
+    """
     transposed = matrix.new_zeros(query.shape[1], matrix.shape[1])
     for rows, combined in combined_blocks(matrix, total, deferred, out):
         transposed.addmm_(query[rows].T, combined)

@@ -23,7 +23,15 @@ class Codec:
     per_rank_state = False  # True when state differs between ranks (error feedback)
 
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
-        """Called once on every rank with the same tensors and seed (chosen by rank 0)."""
+        """Called once on every rank with the same tensors and seed (chosen by rank 0).
+
+        Args:
+            specs: every gradient tensor the codec will see, by parameter name (with its shape
+                where known: only matrix-shaped tensors can be compressed as matrices).
+            world_size: the number of ranks whose gradients are averaged.
+            seed: an integer equal on every rank, for state that the ranks must share (e.g. the
+                initial low-rank factors).
+        """
         self.specs = dict(specs)
         self.world_size = world_size
 
@@ -63,18 +71,38 @@ class Codec:
         return gradient_dtype
 
     def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
-        """(encode, decode) compute time of `spec` under `layout` at the given device speed."""
+        """(encode, decode) compute time of `spec` under `layout` at the given device speed.
+
+        Args:
+            spec: the uncompressed gradient tensor (not its wire spec).
+            layout: one of ``layouts()``.
+            flops_per_second: the device's speed in floating-point operations a second, > 0;
+                the times returned are in seconds.
+        """
         return 0.0, 0.0
 
     # -- execution --------------------------------------------------------------------------------
     def encode(self, name: str, grad: torch.Tensor | None, step: int) -> torch.Tensor | None:
         """The 1-D wire tensor of this rank for `name`, or None when this rank contributes zeros
-        (`grad` is None when the backward pass did not produce the gradient)."""
+        (`grad` is None when the backward pass did not produce the gradient).
+
+        Args:
+            name: the tensor's name, a key of the specs given to ``setup``.
+            grad: this rank's gradient, of the parameter's shape and dtype (summed over the
+                no_sync backward passes before this one), or None.
+            step: the 0-based count of synchronised iterations, as in ``rounds``.
+        """
         return None if grad is None else grad.reshape(-1)
 
     def reduced_target(self, name: str, parameter: torch.nn.Parameter, step: int) -> torch.Tensor:
         """Where the reduced wire of `name` lands: shape (wire numel,) for all-reduce codecs, the
-        rank-averaged values; (world size, wire numel) for all-gather codecs, every rank's wire."""
+        rank-averaged values; (world size, wire numel) for all-gather codecs, every rank's wire.
+
+        Args:
+            name, step: as in ``encode``.
+            parameter: the parameter whose gradient `name` is; the identity codec lands the
+                average in parameter.grad itself (created as zeros, or made contiguous, first).
+        """
         if parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
         elif not parameter.grad.is_contiguous():
@@ -82,7 +110,12 @@ class Codec:
         return parameter.grad.view(-1)
 
     def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
-        """Once all of `name`'s wire is reduced: write the averaged gradient into parameter.grad."""
+        """Once all of `name`'s wire is reduced: write the averaged gradient into parameter.grad.
+
+        Args:
+            name, step: as in ``encode``.
+            parameter: the parameter whose .grad receives the decoded gradient.
+        """
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:

@@ -18,7 +18,16 @@ BLOCK_BYTES = 1 << 20  # about one core's L2 cache
 
 def check_options(codec: str, rank, min_compression_rate, start_iter, **switches) -> None:
     """The options both take: rank >= 1, min_compression_rate >= 0, start_iter >= 0, and boolean
-    switches (error_feedback, reuse / warm_start)."""
+    switches (error_feedback, reuse / warm_start).
+
+    Args:
+        codec: the compressor's name, quoted in the error message.
+        rank: the requested rank r, an integer >= 1.
+        min_compression_rate: a finite number >= 0: a matrix is compressed only when it shrinks by
+            more than this factor (see select_matrices).
+        start_iter: the number of uncompressed warm-up steps, an integer >= 0.
+        switches: the boolean options, by name.
+    """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise ConfigError(f"compressor {codec!r}: 'rank' must be an integer >= 1, got {rank!r}")
     if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, (int, float)) \
@@ -36,7 +45,15 @@ def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,
                     min_compression_rate: float) -> dict[str, tuple[int, int, int]]:
     """(n, m, r) of every tensor worth compressing: viewed as (shape[0], −1), compressed iff
     (n + m)·r·min_compression_rate < n·m (the torch PowerSGD hook's rule), r = min(rank, n, m)
-    with one warning for all the compressed tensors clipped."""
+    with one warning for all the compressed tensors clipped.
+
+    Args:
+        codec: the compressor's name, quoted in the warning.
+        specs: the tensors by name, as given to ``Codec.setup``; those without a matrix shape
+            (vectors, or no shape known) are never compressed.
+        rank: the requested rank, an integer >= 1.
+        min_compression_rate: as in check_options.
+    """
     shapes, clipped = {}, []
     for name in sorted(specs):
         matrix = specs[name].matrix_shape()
@@ -56,7 +73,13 @@ def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,
 
 def error_buffer(errors: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
     """The error-feedback matrix of `name`: zeros at first, moved to `like`'s device and dtype once
-    after a checkpoint load."""
+    after a checkpoint load.
+
+    Args:
+        errors: the codec's error matrices by tensor name; the buffer returned is stored there.
+        name: the tensor's name.
+        like: the gradient matrix (n, m) whose shape, dtype and device a new error takes.
+    """
     error = errors.get(name)
     if error is None:
         error = torch.zeros_like(like)
@@ -72,7 +95,14 @@ def cpu_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def check_saved_state(codec: str, saved_options: dict, options: dict, saved_names, compressed) -> None:
-    """A checkpoint's state fits this codec: same options, factors only of compressed tensors."""
+    """A checkpoint's state fits this codec: same options, factors only of compressed tensors.
+
+    Args:
+        codec: the compressor's name, quoted in the error message.
+        saved_options, options: the checkpoint's options and this codec's own; they must be equal.
+        saved_names: the names of the tensors whose factors were saved.
+        compressed: the names of the tensors this codec compresses.
+    """
     if saved_options != options:
         raise ConfigError(f"{codec} state was saved with options {saved_options}, this run uses {options}")
     unknown = sorted(set(saved_names) - set(compressed))
@@ -100,7 +130,14 @@ def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor
                       out: torch.Tensor | None = None) -> None:
     """out ← M + E − P·Qᵀ (E itself by default): the fused Triton kernel where available, which
     never materialises P·Qᵀ; elsewhere two torch operations per row block (BLAS accumulates P·Qᵀ
-    into the block while it is in cache)."""
+    into the block while it is in cache).
+
+    Args:
+        matrix: the gradient M (n, m), floating.
+        error: the error-feedback matrix E (n, m), M's dtype and device.
+        p, q: the factors P (n, r) and Q (m, r), M's dtype and device.
+        out: the (n, m) matrix written, M's dtype and device; None writes into E.
+    """
     out = error if out is None else out
     if fused_update_available(error, p.shape[1]):
         error_feedback_update(matrix, error, p.contiguous(), q.contiguous(), out=out)
@@ -110,7 +147,12 @@ def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor
 
 
 def write_low_rank(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-    """out ← P·Qᵀ (the decompressed gradient), written per row block."""
+    """out ← P·Qᵀ (the decompressed gradient), written per row block.
+
+    Args:
+        out: the contiguous (n, m) matrix written, e.g. the flat gradient viewed as (n, m).
+        p, q: the factors P (n, r) and Q (m, r), out's dtype and device.
+    """
     for rows in row_blocks(out):
         torch.mm(p[rows], q.T, out=out[rows])
 
@@ -125,7 +167,15 @@ def spare_buffer(spares: dict[tuple, list[torch.Tensor]], like: torch.Tensor) ->
 def keep_error(errors: dict[str, torch.Tensor], spares: dict[tuple, list[torch.Tensor]], name: str,
                new_error: torch.Tensor, accepted: bool) -> None:
     """Make `new_error` (a spare_buffer) the error of `name` and spare the old one; or, when the
-    step was not `accepted`, keep the old error and spare `new_error`."""
+    step was not `accepted`, keep the old error and spare `new_error`.
+
+    Args:
+        errors: the codec's current error matrices by tensor name (holding `name` when `accepted`).
+        spares: the free buffers by (shape, dtype, device), as spare_buffer takes them.
+        name: the tensor's name.
+        new_error: the error this step computed.
+        accepted: whether the step's gradient was applied.
+    """
     if accepted:
         new_error, errors[name] = errors[name], new_error
     spares.setdefault(_buffer_key(new_error), []).append(new_error)

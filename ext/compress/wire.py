@@ -11,7 +11,15 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
     """`profile` with each tensor replaced by what travels under `layout`, and, given the device's
     FLOP/s, the codec's encode time added to the layer's backward (it runs in the gradient hook,
     before the op can launch) and its decode time to the layer's forward (it runs before the
-    layer's update)."""
+    layer's update).
+
+    Args:
+        profile: the model's uncompressed profile.
+        codec: the compressor, set up on the profile's tensors.
+        layout: one of ``codec.layouts()``.
+        flops_per_second: the device's speed in floating-point operations a second; None (or 0)
+            leaves the layer times as they are.
+    """
     layers = []
     for layer in profile.layers:
         encode, decode = codec_seconds(layer.tensors, codec, layout, flops_per_second)
@@ -29,7 +37,12 @@ def wire_profile(profile: ModelProfile, codec: Codec, layout: str, flops_per_sec
 
 def codec_seconds(tensors: Iterable[TensorSpec], codec: Codec, layout: str,
                   flops_per_second: float | None) -> tuple[float, float]:
-    """The codec's modelled encode and decode time of `tensors` under `layout` (0 without FLOP/s)."""
+    """The codec's modelled encode and decode time of `tensors` under `layout` (0 without FLOP/s).
+
+    Args:
+        tensors: the uncompressed gradient tensors.
+        codec, layout, flops_per_second: as in ``wire_profile``; the times are in seconds.
+    """
     encode = decode = 0.0
     if flops_per_second:
         for spec in tensors:

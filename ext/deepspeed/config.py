@@ -40,7 +40,20 @@ def load(config) -> dict:
 
 def resolve(args, config, config_params) -> dict | None:
     """The config `deepspeed.initialize` will use, by its own precedence: `config`, then
-    `config_params`, then ``args.deepspeed_config`` (or the older ``args.deepscale_config``)."""
+    `config_params`, then ``args.deepspeed_config`` (or the older ``args.deepscale_config``).
+
+    Args:
+        args: the ``args`` given to ``deepspeed.initialize`` (an argparse namespace or None); its
+            ``deepspeed_config`` and ``deepscale_config`` attributes are read when present.
+        config, config_params: the configs given to ``deepspeed.initialize``: a dict, a JSON/HJSON
+            path or a base64 string, or None.
+
+    Returns:
+        The first config given, loaded as a dict; None when none is given.
+
+    Raises:
+        ConfigError: when the chosen config cannot be read.
+    """
     for candidate in (config, config_params, getattr(args, "deepspeed_config", None),
                       getattr(args, "deepscale_config", None)):
         if candidate is not None:
@@ -72,7 +85,25 @@ def wrap_arguments(section) -> WrapArguments:
 
 
 def check_engine_config(ds_config: dict, codec: Codec, model, optimizer, mpu, mesh_param) -> None:
-    """Refuse DeepSpeed settings under which gradsync cannot own the gradient synchronisation."""
+    """Refuse DeepSpeed settings under which gradsync cannot own the gradient synchronisation.
+
+    Refused: a ZeRO stage other than 0, ``fp16``/``bf16`` mixed precision, ``torch_autocast`` with
+    float16, ``managed_gradient_accumulation`` off, no optimizer at all, a compressor combined with
+    DeepSpeed's compressed optimizers, a ``communication_data_type`` other than fp32, model, tensor,
+    sequence or expert parallelism, a pipeline module and MoE layers.
+
+    Args:
+        ds_config: the resolved DeepSpeed config, as a dict (see `resolve`).
+        codec: the compressor the ``"gradsync"`` section asks for.
+        model: the ``model`` given to ``deepspeed.initialize``; must be a ``torch.nn.Module``.
+        optimizer: the ``optimizer`` given to ``deepspeed.initialize`` (an instance, a class or
+            callable, or None for the config's ``optimizer`` section).
+        mpu, mesh_param: the ``mpu`` and ``mesh_param`` given to ``deepspeed.initialize``; both must be
+            None (they split the model over ranks).
+
+    Raises:
+        ConfigError: naming the first setting refused.
+    """
     stage = zero_stage(ds_config)
     if stage != 0:
         raise ConfigError(f"gradsync needs ZeRO stage 0 ('zero_optimization.stage' is {stage}): stages 1-3 "

@@ -28,7 +28,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, con
     training_dataloader, lr_scheduler)``. With a top-level ``"gradsync"`` section in the config,
     the section and the DeepSpeed settings gradsync depends on are checked first (ConfigError
     before any collective), then the engine is built and gradsync attached; without one this is
-    ``deepspeed.initialize`` unchanged."""
+    ``deepspeed.initialize`` unchanged.
+
+    With gradsync attached, the optimizer returned is the engine's, gradsync's SyncedOptimizer.
+
+    Args:
+        args, model, optimizer, model_parameters, config: passed on to ``deepspeed.initialize``
+            unchanged; gradsync also reads the config from `config`, ``config_params`` or `args` (as
+            DeepSpeed does) and checks `model` and `optimizer` (see ``check_engine_config``).
+        **kwargs: passed on to ``deepspeed.initialize`` unchanged (``training_data``, ``lr_scheduler``,
+            ``mpu``, ``config_params``, ...); ``mpu`` and ``mesh_param`` must be None with gradsync.
+
+    Raises:
+        ConfigError: for a bad ``"gradsync"`` section or a DeepSpeed setting gradsync does not support.
+    """
     ds_config = resolve(args, config, kwargs.get("config_params"))
     if ds_config is None or SECTION not in ds_config:
         return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,

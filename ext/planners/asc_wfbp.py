@@ -154,7 +154,13 @@ def _layer_type(clock: _CommClock, ready: float, nbytes: int, next_ready: float 
 
 
 def determine_layer_types(profile: ModelProfile, cost: CostModel, channels: int = 2) -> Schedule:
-    """Algorithm 1 with CALCCOMMTIME on `channels` channels (see the module docstring)."""
+    """Algorithm 1 with CALCCOMMTIME on `channels` channels (see the module docstring).
+
+    Args:
+        profile: the model's per-layer times and tensors; layers without gradients are skipped.
+        cost: the all-reduce cost model: a + b·m (eq. 3) and the penalty of γ (eq. 13).
+        channels: k, how many ops may be in flight at once (>= 1; 1 allows no SC layer).
+    """
     ready_times = profile.backward_ready_times()
     layers = [i for i in range(len(profile.layers) - 1, -1, -1) if profile.layers[i].tensors]
     clock = _CommClock(cost, channels)
@@ -169,7 +175,14 @@ def determine_layer_types(profile: ModelProfile, cost: CostModel, channels: int 
 
 def plan_from_schedule(schedule: Schedule, profile: ModelProfile, channels: int) -> Plan:
     """Ops in CALCCOMMTIME's launch order, each on its channel; an op whose layers mix element
-    sizes becomes one op per size on the same channel, since sizes never share a buffer."""
+    sizes becomes one op per size on the same channel, since sizes never share a buffer.
+
+    Args:
+        schedule: Algorithm 1's result (``determine_layer_types``).
+        profile: the profile it was made for, whose layers' tensors fill the ops.
+        channels: the planner's `channels` option, recorded in the plan's options (the ops keep the
+            channels the schedule gave them).
+    """
     ops: list[Op] = []
     for scheduled in schedule.ops:
         by_size: dict[int, list] = {}
@@ -182,7 +195,15 @@ def plan_from_schedule(schedule: Schedule, profile: ModelProfile, channels: int)
 
 
 def plan(profile: ModelProfile, cost: CostModel, *, channels: int, overlap_forward: bool) -> Plan:
-    """The fastest simulated plan of Algorithm 1 over 1..`channels` channels."""
+    """The fastest simulated plan of Algorithm 1 over 1..`channels` channels.
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile).
+        cost: the all-reduce cost model, for Algorithm 1 and for simulating each candidate.
+        channels: the most process groups the plan may use (k >= 1); every k' = 1..k is tried and
+            the fewest channels win a tie.
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     best, best_time = None, float("inf")
     # L ops at most, so more than L channels are never all busy and change nothing
     for concurrency in range(1, min(channels, len(profile.layers)) + 1):

@@ -51,7 +51,15 @@ class Launch:
 
 
 def plan(profile: ModelProfile, cost: CostModel, *, partition_bytes: int, credit: int, overlap_forward: bool) -> Plan:
-    """ByteScheduler's launch order as a plan: one op per basic block, channel = credit slot."""
+    """ByteScheduler's launch order as a plan: one op per basic block, channel = credit slot.
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile).
+        cost: the all-reduce cost model the emulation times the blocks with.
+        partition_bytes: S_p, the size of a basic block (bytes; rounded down to whole elements, at least one).
+        credit: how many blocks may be in flight at once, one slot (channel) each.
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     backward_end = profile.backward_time
     ops = tuple(
         Op(
@@ -79,6 +87,12 @@ def emulate(profile: ModelProfile, cost: CostModel, partition_bytes: int, credit
 
     A block becomes ready when its layer's backward ends (us-byte eq. 2). Whenever a slot is free,
     the most urgent ready block starts on the lowest free slot; ops progress as in the simulator.
+
+    Args:
+        profile: the model's per-layer times and tensors: the blocks and their ready times.
+        cost: the all-reduce cost model: start-up ``a``, ``b`` per byte and contention γ (its host
+            time, slowdowns and ops per channel are not emulated).
+        partition_bytes, credit: as in ``plan``.
     """
     by_priority = blocks_by_priority(profile, partition_bytes)
     waiting = sorted(by_priority, key=lambda b: (b.group.ready, b.rank), reverse=True)  # pop(): next ready

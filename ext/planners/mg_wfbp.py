@@ -73,7 +73,13 @@ def plan_from_groups(groups: Sequence[Sequence[MergeUnit]]) -> Plan:
 
 
 def plan(profile: ModelProfile, cost: CostModel, *, overlap_forward: bool) -> Plan:
-    """One op per run of merged-gradient layers found by Algorithm 1, in backward order."""
+    """One op per run of merged-gradient layers found by Algorithm 1, in backward order.
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile).
+        cost: the all-reduce cost model; its start-up ``a`` is Theorem 1's merge threshold.
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     units = merge_units(profile)[::-1]  # paper order: index 0 is layer 1, the input side
     merged = merged_gradient_layers(units, cost)
     groups: list[list[MergeUnit]] = []

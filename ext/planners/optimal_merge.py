@@ -42,7 +42,13 @@ TIE_TOLERANCE = 1e-12  # relative: end times this close count as equal, and fewe
 
 
 def plan(profile: ModelProfile, cost: CostModel, *, overlap_forward: bool) -> Plan:
-    """The fewest ops among the partitions with the earliest last all-reduce, in backward order."""
+    """The fewest ops among the partitions with the earliest last all-reduce, in backward order.
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile).
+        cost: the all-reduce cost model; T_ar of every candidate group (only ``a`` and ``b`` count).
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     return deferred_if(plan_from_groups(optimal_groups(merge_units(profile), cost)), overlap_forward)
 
 

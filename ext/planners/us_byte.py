@@ -64,7 +64,14 @@ class Candidate:
 
 def plan(profile: ModelProfile, cost: CostModel, *, partition_bytes: int, overlap_forward: bool) -> Plan:
     """US-Byte's plan: Algorithm 2's P1 and Algorithm 1's phase-one ops, then phase two by Theorem 1;
-    the WFBP-equivalent point of the same search space where that is faster (see `wfbp_equivalent`)."""
+    the WFBP-equivalent point of the same search space where that is faster (see `wfbp_equivalent`).
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile).
+        cost: the all-reduce cost model; the closed-form t_iter uses its ``a`` and ``b`` only.
+        partition_bytes: S_p, the size of a basic block (bytes; rounded down to whole elements, at least one).
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     greedy = greedy_priorities(gradient_groups(profile, partition_bytes), profile, cost)
     best = min(greedy, wfbp_equivalent(profile, cost), key=lambda candidate: candidate.time)
     ordered = Plan(tuple(candidate_ops(best)), options={"partition_bytes": partition_bytes})
@@ -109,7 +116,14 @@ def shortfall(group: GradientGroup, cost: CostModel) -> float:
 
 
 def op_seconds(group: GradientGroup, blocks: int, takes_last_block: bool, cost: CostModel) -> float:
-    """T_ar(O_num) − Δt (eq. 1, Algorithm 1 lines 23–24): a + b·(the op's bytes)."""
+    """T_ar(O_num) − Δt (eq. 1, Algorithm 1 lines 23–24): a + b·(the op's bytes).
+
+    Args:
+        group: the gradient group the op's blocks belong to.
+        blocks: O_num, the op's number of blocks.
+        takes_last_block: the op holds the group's last block, which may be short by Δt's bytes.
+        cost: the all-reduce cost model.
+    """
     return cost.allreduce_time(blocks * group.block_bytes) - (shortfall(group, cost) if takes_last_block else 0.0)
 
 
@@ -119,6 +133,16 @@ def blocks_to_send(gap: float, carried: int, available: int, group: GradientGrou
     `carried` blocks are already in the op (Algorithm 1 lines 13–14 merge a second op of the same
     layer into the first, which keeps its start, so eqs. 4–7 size the whole op); `available` more
     may join. The op takes at least one new block: eq. 6 gives 0 when the gap is exactly `a`.
+
+    Args:
+        gap: seconds from the op's start to the end of the current layer's backward.
+        carried: blocks already in the op.
+        available: the group's blocks not yet sent (>= 1).
+        group: the gradient group being sent.
+        cost: the all-reduce cost model.
+
+    Returns:
+        the op's new O_num, carried blocks included.
     """
     total = carried + available
     if gap < cost.a:  # Case 1, eq. 4
@@ -140,6 +164,12 @@ def phase_one(groups: list[GradientGroup], priorities: list[int], cost: CostMode
     left (lines 10–12); the layer's groups join at its end (line 27; a layer without parameters adds
     none). Phase one thus lasts until layer 1's backward ends (the split of eq. 9), also when layer 1
     has no gradients: the backward of parameter-less layers on the input side still hides ops.
+
+    Args:
+        groups: the gradient groups, input → output (``gradient_groups``).
+        priorities: P1 of each group, by group index; a permutation of 0..len(groups)−1.
+        cost: the all-reduce cost model.
+        profile: the profile the groups come from, for every layer's backward end.
     """
     ends = profile.backward_ready_times()  # τ_b^(l) + t_b^(l), eq. 2
     joining: dict[int, list[int]] = {}  # layer -> its groups
@@ -180,6 +210,12 @@ def iteration_time(schedule: Schedule, groups: list[GradientGroup], profile: Mod
     Phase two starts when backward and phase one are done (eq. 9) and sends each group's remaining
     blocks in one op (eq. 10); layer l's forward waits for layer l−1's and for its own ops (eq. 11).
     A layer without a phase-two op waits for no op, which for sequential order is eq. 11's bound.
+
+    Args:
+        schedule: phase one's result for `groups` (``phase_one``).
+        groups: the gradient groups, input → output.
+        profile: the profile they come from: backward and forward times (seconds).
+        cost: the all-reduce cost model.
     """
     backward_done = max(profile.backward_time, schedule.end)
     clock = backward_done
@@ -197,7 +233,15 @@ def iteration_time(schedule: Schedule, groups: list[GradientGroup], profile: Mod
 # -- Algorithm 2 ------------------------------------------------------------------------------
 def greedy_priorities(groups: list[GradientGroup], profile: ModelProfile, cost: CostModel) -> Candidate:
     """Algorithm 2: from sequential P1, for l = L..2 raise layer l's priority to the layer k of
-    eq. 13 and keep the change when t_iter (eqs. 9–12) drops."""
+    eq. 13 and keep the change when t_iter (eqs. 9–12) drops.
+
+    Here a "layer" is a gradient group (one per layer in the usual case).
+
+    Args:
+        groups: the gradient groups, input → output (``gradient_groups``).
+        profile: the profile they come from.
+        cost: the all-reduce cost model.
+    """
     priorities = list(range(len(groups)))  # lines 1–2
     schedule = phase_one(groups, priorities, cost, profile)
     best = iteration_time(schedule, groups, profile, cost)  # line 3
@@ -218,7 +262,13 @@ def greedy_priorities(groups: list[GradientGroup], profile: ModelProfile, cost: 
 
 
 def raise_priority(priorities: list[int], layer: int, target: int) -> list[int]:
-    """ADJUSTPRIORITY (Algorithm 2 lines 27–31): layer takes target's priority, target..layer−1 move down one."""
+    """ADJUSTPRIORITY (Algorithm 2 lines 27–31): layer takes target's priority, target..layer−1 move down one.
+
+    Args:
+        priorities: P1 of each group (lower is more urgent); not modified, a new list is returned.
+        layer: the index of the group whose priority is raised.
+        target: the index of the group whose priority it takes (target < layer).
+    """
     raised = list(priorities)
     raised[layer] = priorities[target]
     for index in range(target, layer):

@@ -10,7 +10,13 @@ from .options import deferred_if
 
 
 def plan(profile: ModelProfile, cost: CostModel, *, overlap_forward: bool) -> Plan:
-    """One op per tensor in backward order (output layer first)."""
+    """One op per tensor in backward order (output layer first).
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile).
+        cost: the all-reduce cost model (unused: the plan does not depend on it).
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     ops = tuple(
         Op((whole(tensor),), priority=index)
         for index, (layer_index, tensor) in enumerate(backward_order(profile))

@@ -124,7 +124,14 @@ def architecture_layers(name: str, batch_size: int) -> tuple[LayerFlops, ...]:
 
 def zoo(name: str, batch_size: int | None = None, device: str | float = "V100") -> ModelProfile:
     """The profile of zoo model `name` at `batch_size` per GPU (default: the papers' value) on a
-    device preset (see `devices.DEVICES`) or a sustained throughput in FLOP/s."""
+    device preset (see `devices.DEVICES`) or a sustained throughput in FLOP/s.
+
+    Args:
+        name: a zoo model (``zoo_names``).
+        batch_size: samples per GPU (an integer >= 1; None: the papers' value for the model).
+        device: a preset's name (case-insensitive, e.g. "V100") or a throughput in FLOP/s (> 0, no
+            launch overhead).
+    """
     architecture = _architecture(name)
     batch_size = architecture.default_batch_size if batch_size is None else _checked_batch_size(batch_size)
     processor = resolve_device(device)

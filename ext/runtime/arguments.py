@@ -61,7 +61,14 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
                          nonfinite: str = "raise", broadcast_buffers: bool = True, warmup_iterations: int = 1,
                          measure_iterations: int = 3, plan_trials: int = 3, transport: str = "allreduce",
                          topology=None, **options) -> WrapArguments:
-    """``wrap``'s arguments (see there) checked: ConfigError naming the argument otherwise."""
+    """``wrap``'s arguments checked, with the scheduler bound once (``planners.bind``): ConfigError
+    naming the argument otherwise. No collective.
+
+    Args:
+        scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite, broadcast_buffers,
+            warmup_iterations, measure_iterations, plan_trials, transport, topology, options: as
+            ``gradsync.wrap``.
+    """
     codec = compress.build(compressor)
     count = 2 if channels is None else channels
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:

@@ -57,7 +57,13 @@ class ComputeSpeed:
 
 
 def slowest_over_ranks(value: float, process_group, device: torch.device) -> float:
-    """The largest of the ranks' `value` (a collective over `process_group`)."""
+    """The largest of the ranks' `value`: a collective.
+
+    Args:
+        value: this rank's number.
+        process_group: the ranks.
+        device: where the backend takes its tensors (CUDA for NCCL).
+    """
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=process_group)
     return float(tensor.item())

@@ -63,7 +63,7 @@ class DeferredUpdates:
             for name in ready:
                 del self.pending[name]
                 if name in self.zero_after:
-                    zero_gradients(self.table.owners[name], self.table.parameters, self.zero_after.pop(name))
+                    _zero_gradients(self.table.owners[name], self.table.parameters, self.zero_after.pop(name))
         return time.perf_counter() - started
 
     def apply_all(self, executor: PlanExecutor | None) -> None:
@@ -77,13 +77,13 @@ class DeferredUpdates:
             if module_name in self.pending:
                 self.zero_after[module_name] = set_to_none
             else:
-                zero_gradients(names, self.table.parameters, set_to_none)
+                _zero_gradients(names, self.table.parameters, set_to_none)
         # parameters the optimizer holds outside the table (frozen ones) follow the usual rule
         known = {id(p) for p in self.table.parameters.values()}
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 if id(parameter) not in known and parameter.grad is not None:
-                    zero_gradient(parameter, set_to_none)
+                    _zero_gradient(parameter, set_to_none)
 
     def _subset(self, modules: list[str]) -> ParameterSubset:
         """The parameters of the owner `modules`, for one optimizer call."""
@@ -94,7 +94,7 @@ class DeferredUpdates:
         return all(executor.complete(n) for n in self.table.owners[module_name])
 
 
-def zero_gradient(parameter, set_to_none: bool) -> None:
+def _zero_gradient(parameter, set_to_none: bool) -> None:
     """As torch's Optimizer.zero_grad; a gradient that is a span of an op buffer (a view) is
     zeroed in place without the in-place detach a view refuses."""
     if set_to_none:
@@ -107,6 +107,7 @@ def zero_gradient(parameter, set_to_none: bool) -> None:
         parameter.grad.zero_()
 
 
-def zero_gradients(names, parameters, set_to_none: bool) -> None:
+def _zero_gradients(names, parameters, set_to_none: bool) -> None:
+    """``_zero_gradient`` for each parameter of `names` (keys of `parameters`, the parameter table's)."""
     for name in names:
-        zero_gradient(parameters[name], set_to_none)
+        _zero_gradient(parameters[name], set_to_none)

@@ -63,8 +63,14 @@ class ParameterTable:
         forward_times: dict[str, float] | None = None,
         backward_times: dict[str, float] | None = None,
     ) -> ModelProfile:
-        """A ModelProfile of this table: one layer per owning module, in `module_order`
-        (modules missing from it keep registration order after the ordered ones)."""
+        """A ModelProfile of this table: one layer per owning module.
+
+        Args:
+            name: the profile's name.
+            module_order: owner modules in forward order (those missing from it follow, in
+                registration order; None: registration order).
+            forward_times, backward_times: seconds per owner module (missing: 0).
+        """
         order = [m for m in (module_order or []) if m in self.owners]
         order += [m for m in self.owners if m not in order]
         forward_times = forward_times or {}

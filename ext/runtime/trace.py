@@ -50,6 +50,14 @@ class ChromeTrace:
         self.last_ready = now
 
     def op(self, index: int, channel: int, start: float, end: float, nbytes: int) -> None:
+        """An op's span on its channel's row.
+
+        Args:
+            index: the op's position in its plan.
+            channel: the channel it ran on.
+            start, end: ``time.perf_counter()`` at its launch and completion.
+            nbytes: the bytes it sent.
+        """
         self._span(f"op {index}", _CHANNEL0 + channel, start, end, bytes=nbytes)
 
     def iteration(self, stats) -> None:

@@ -77,7 +77,13 @@ class _RankTree:
 
 def contract(tree: Tree, rank_of: dict[str, int], active: set[int]) -> _RankTree:
     """`tree` on ranks only: each rank hangs under its nearest rank ancestor; ranks with no active
-    node at or below them are dropped (they would carry nothing)."""
+    node at or below them are dropped (they would carry nothing).
+
+    Args:
+        tree: a reduce or broadcast tree over the topology's nodes (workers and relays).
+        rank_of: the rank of each worker, by name; relays have none.
+        active: the ranks of the active workers.
+    """
     def rank_above(node: str) -> str:
         node = tree.parent[node]
         while node not in rank_of:
@@ -106,7 +112,15 @@ def contract(tree: Tree, rank_of: dict[str, int], active: set[int]) -> _RankTree
 
 def build_schedule(packing: ForestPacking, workers: tuple[str, ...], numel: int, element_size: int,
                    sub_chunk_bytes: int = DEFAULT_SUB_CHUNK_BYTES) -> list[Step]:
-    """Every rank's steps for one all-reduce of `numel` elements, in the global order (see module)."""
+    """Every rank's steps for one all-reduce of `numel` elements, in the global order (see module).
+
+    Args:
+        packing: the forest packing to execute.
+        workers: the topology's workers; worker i is rank i.
+        numel: the number of elements of the flat buffer.
+        element_size: bytes per element.
+        sub_chunk_bytes: the approximate size (bytes) of the pieces each tree's chunk is pipelined in.
+    """
     rank_of = {name: rank for rank, name in enumerate(workers)}
     active = {rank_of[name] for name in packing.active}
     sizes = packing.chunk_sizes(numel)

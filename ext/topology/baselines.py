@@ -114,12 +114,25 @@ def _widest_tree(capacity: np.ndarray, source: int) -> list[int]:
 
 
 def ring_time(topology: Topology, active: tuple[str, ...], nbytes: float) -> float:
+    """Seconds of Ring AllReduce: 2(N − 1) phases, each worker sending |C|/N to the next in `active`.
+
+    Args:
+        topology: the network.
+        active: the N workers taking part, by name, checked (``Topology.active_workers``); the ring
+            visits them in this order.
+        nbytes: |C|, the all-reduce's size (bytes).
+    """
     n = len(active)
     step = _Network(topology).phase_time([(active[i], active[(i + 1) % n], nbytes / n) for i in range(n)])
     return 2 * (n - 1) * step
 
 
 def nccl_tree_time(topology: Topology, active: tuple[str, ...], nbytes: float) -> float:
+    """Seconds of NCCL's double binary tree over `active` (rank i = active[i]): each tree moves |C|/2
+    up and down its edges, all in one pipelined phase.
+
+    Args: as ``ring_time``.
+    """
     return _Network(topology).phase_time(_double_tree_transfers(active, nbytes))
 
 
@@ -133,6 +146,11 @@ def _double_tree_transfers(ranks: tuple[str, ...], nbytes: float) -> list[tuple[
 
 
 def parameter_server_time(topology: Topology, active: tuple[str, ...], nbytes: float) -> float:
+    """Seconds of a parameter server sharded over `active`: every worker pushes |C|/N to each other
+    worker, then pulls it back.
+
+    Args: as ``ring_time``.
+    """
     network, share = _Network(topology), nbytes / len(active)
     push = network.phase_time([(w, s, share) for w in active for s in active if w != s])
     pull = network.phase_time([(s, w, share) for w in active for s in active if w != s])
@@ -154,6 +172,11 @@ def _machine_view(topology: Topology, active: tuple[str, ...]) -> list[tuple[Top
 
 
 def blink_time(topology: Topology, active: tuple[str, ...], nbytes: float) -> float:
+    """Seconds of the Blink-like scheme: the slowest machine's packed reduce trees (problem (5), link
+    latency left out), a ring among each machine's first active worker, the slowest broadcast.
+
+    Args: as ``ring_time``; the topology's groups name the machines (an ungrouped worker is one alone).
+    """
     reduce, broadcast = 0.0, 0.0
     for machine, chosen in _machine_view(topology, active):
         if len(chosen) > 1:
@@ -165,6 +188,12 @@ def blink_time(topology: Topology, active: tuple[str, ...], nbytes: float) -> fl
 
 
 def plink_time(topology: Topology, active: tuple[str, ...], nbytes: float) -> float:
+    """Seconds of the Plink-like scheme: per machine, a pipelined widest tree between its active
+    workers and the first of them (its slowest path), NCCL's double binary tree among those leaders,
+    then the broadcast down the trees.
+
+    Args: as ``ring_time``; the topology's groups name the machines (an ungrouped worker is one alone).
+    """
     reduce, broadcast = 0.0, 0.0
     for machine, chosen in _machine_view(topology, active):
         network = _Network(machine)  # the tree is pipelined: its time is that of its narrowest path
@@ -180,7 +209,13 @@ BASELINES = {"ring": ring_time, "nccl_tree": nccl_tree_time, "parameter_server":
 
 
 def baseline_time(name: str, topology: Topology, active, nbytes: float) -> float:
-    """Seconds for one all-reduce of `nbytes` among `active` (names; None = all) with baseline `name`."""
+    """Seconds for one all-reduce of `nbytes` among `active` (names; None = all) with baseline `name`.
+
+    Args:
+        name: a key of `BASELINES`: "ring", "nccl_tree", "parameter_server", "blink" or "plink".
+        topology, nbytes: as ``ring_time``.
+        active: the workers taking part, by name (None: all); checked here.
+    """
     if name not in BASELINES:
         raise unknown_name("baseline", name, BASELINES)
     return BASELINES[name](topology, topology.active_workers(active), nbytes)

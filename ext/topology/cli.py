@@ -108,7 +108,14 @@ def run_topo_plan(args) -> None:
 
 
 def draw_packing(packing: ForestPacking, topology: Topology, path: str, limit: int = 16) -> None:
-    """One panel per tree (the `limit` heaviest), nodes on a circle in topology order."""
+    """One panel per tree (the `limit` heaviest), nodes on a circle in topology order.
+
+    Args:
+        packing: the packing whose trees are drawn.
+        topology: the topology it was planned on, for its nodes.
+        path: the PNG file to write.
+        limit: the most trees drawn.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

@@ -104,6 +104,18 @@ def plan_forest(topology: Topology, active=None, problem: str = "overlap", prune
     beat the reduce packing alone. There the master is (5) and each tree is used both ways.
     `max_rounds` (default: fewer on larger graphs, `ROUND_BUDGET` / (roots × links), clamped to
     6..1000) caps the pricing rounds deterministically, so every rank computes the same packing.
+
+    Args:
+        topology: the network.
+        active: the active workers' names (None: all workers).
+        problem: "separate" (problem (4)) or "overlap" (problem (8)).
+        prune: drop trees whose weight is at most this fraction of the heaviest, in [0, 1), unless
+            that lowers X by more than 1e-9 of it; 0 keeps every tree.
+        seed_rounds: rounds of multiplicative weights for the first columns (per tree kind, each
+            round visiting every root).
+        max_rounds: the most pricing rounds (None: the default above).
+        flow_bound_limit: the most commodity-edge variables (N(N − 1) × links) for which the flow
+            relaxation bounds a packing that is not exact; above it only the cut bound is used.
     """
     if problem not in PROBLEMS:
         raise ConfigError(f"problem: unknown {problem!r}; valid: {', '.join(PROBLEMS)}")
@@ -147,7 +159,17 @@ def _solve(graph: _Graph, problem: str, master_problem: str, prune: float, seed_
 
 def max_packing(topology: Topology, active, kind: str = BROADCAST) -> float:
     """Problem (5): the largest total weight of `kind` trees (any roots) spanning the active workers,
-    each link's load within its bandwidth — the bandwidth of one reduce or broadcast stage alone."""
+    each link's load within its bandwidth — the bandwidth of one reduce or broadcast stage alone.
+
+    Args:
+        topology: the network.
+        active: the active workers' names (None: all workers).
+        kind: REDUCE or BROADCAST, the trees' direction.
+
+    Returns:
+        the total weight in Gbit/s (the links' capacity unit); a lower bound on the optimum where the
+        round budget ends the search or the oracle is the Steiner heuristic (relays or inactive workers).
+    """
     graph = _Graph(topology, topology.active_workers(active))
     master = _Master(graph, "single", 10, single_kind=kind)
     rounds = int(np.clip(ROUND_BUDGET / (len(graph.active) * len(graph.b)), 10, 1000))

@@ -26,7 +26,13 @@ PAPER_LABELS = {"2G": "AG", "3G": "ABG", "4H": "ABGH"}
 
 
 def check_count(value, what: str, least: int) -> int:
-    """A number of workers, machines or GPUs: an integer >= `least`."""
+    """A number of workers, machines or GPUs: an integer >= `least`.
+
+    Args:
+        value: the number to check (returned unchanged).
+        what: what it counts, for the error message.
+        least: the smallest value allowed.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ConfigError(f"{what} must be an integer >= {least}, got {value!r}")
     return value
@@ -41,7 +47,13 @@ def complete(n: int, gbps: float = 1.0) -> Topology:
 
 
 def ring(n: int, gbps: float = 1.0, bidirectional: bool = True) -> Topology:
-    """Workers 0..n-1 on a ring: i→i+1, and i+1→i too when bidirectional."""
+    """Workers 0..n-1 on a ring: i→i+1, and i+1→i too when bidirectional.
+
+    Args:
+        n: the number of workers (>= 2).
+        gbps: each link's bandwidth (Gbit/s).
+        bidirectional: add the reverse links (named ring-N; one-way: oneway-ring-N).
+    """
     check_count(n, "ring: the number of workers", 2)
     workers = tuple(str(i) for i in range(n))
     links = [Link(workers[i], workers[(i + 1) % n], gbps) for i in range(n)]
@@ -61,7 +73,16 @@ def dgx1(link_gbps: float = 200.0) -> Topology:
 
 def cluster(machines: int, gpus: int, inter_gbps: float, intra: str = "pcie",
             intra_gbps: float | None = None) -> Topology:
-    """The paper's Fig. 3 cluster: `machines` × `gpus`, workers named m<machine>g<gpu>."""
+    """The paper's Fig. 3 cluster: `machines` × `gpus`, workers named m<machine>g<gpu>.
+
+    Args:
+        machines: the number of machines (>= 1).
+        gpus: GPUs per machine (>= 1); 8 are linked as a DGX-1 cube-mesh, other counts fully.
+        inter_gbps: each direct path between two GPUs on different machines (Gbit/s per direction).
+        intra: "pcie" or "nvlink", the intra-machine link type (sets the default `intra_gbps`).
+        intra_gbps: each intra-machine link (Gbit/s per direction; a doubled cube-mesh link counts
+            twice); None: 100 for PCIe, 300 for NVLink.
+    """
     check_count(machines, "cluster: machines", 1)
     check_count(gpus, "cluster: gpus", 1)
     if intra not in INTRA_GBPS:
@@ -86,7 +107,13 @@ def cluster(machines: int, gpus: int, inter_gbps: float, intra: str = "pcie",
 
 def preset(name: str, inter_gbps: float = 10.0, gbps: float = 1.0) -> Topology:
     """A preset by name: 'AxB-pcie', 'AxB-nvlink' (at `inter_gbps`), 'dgx1', 'complete-N', 'ring-N',
-    'oneway-ring-N' (links of `gbps`)."""
+    'oneway-ring-N' (links of `gbps`).
+
+    Args:
+        name: the preset's name, one of the forms above (A, B, N whole numbers).
+        inter_gbps: the inter-machine bandwidth of 'AxB-*' clusters (Gbit/s).
+        gbps: each link's bandwidth in 'complete-N' and the rings (Gbit/s); 'dgx1' has its own.
+    """
     if match := re.fullmatch(r"(\d+)x(\d+)-(pcie|nvlink)", name):
         return cluster(int(match.group(1)), int(match.group(2)), inter_gbps, match.group(3))
     if name == "dgx1":

@@ -18,7 +18,14 @@ INVERTED_RESIDUAL_SETTING = (
 def conv_bn_relu6(
     in_channels: int, out_channels: int, kernel: int = 3, stride: int = 1, groups: int = 1
 ) -> nn.Sequential:
-    """Convolution without bias, batch norm, ReLU6 (torchvision's Conv2dNormActivation)."""
+    """Convolution without bias, batch norm, ReLU6 (torchvision's Conv2dNormActivation).
+
+    Args:
+        in_channels, out_channels: the convolution's input and output channels.
+        kernel: the square kernel's side; padded by (kernel − 1) // 2, so stride 1 keeps the size.
+        stride: the convolution's stride.
+        groups: the convolution's groups (``in_channels`` for a depthwise convolution).
+    """
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
         nn.BatchNorm2d(out_channels),

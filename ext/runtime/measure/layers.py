@@ -89,7 +89,13 @@ class LayerTimer:
 def without_host(profile: ModelProfile, plan: Plan, host: float) -> ModelProfile:
     """`profile` as measured while `plan` ran, with the host time of its backward-phase ops taken
     out of the backward pass, in proportion to each layer's share of it (the ops' processor time
-    falls wherever their transfers run)."""
+    falls wherever their transfers run).
+
+    Args:
+        profile: the timed profile.
+        plan: the plan whose ops launched while it was timed.
+        host: seconds of the computing thread per op (``CostModel.host``).
+    """
     backward = profile.backward_time
     charged = host * sum(1 for op in plan.ops if op.phase == BACKWARD)
     if backward <= 0 or charged <= 0:

@@ -25,6 +25,12 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
     at most 64 MiB). Each size's time is the median of `repeats` runs, maximised over ranks (the
     slowest rank is the one the others wait for).
+
+    Args:
+        channels: the job's channels (a collective over their process group).
+        largest_bytes: the model's gradient bytes.
+        dtype, device: of the probes' buffers (the gradients').
+        repeats: timed runs per size.
     """
     element = torch.tensor([], dtype=dtype).element_size()
     largest = max(4 << 20, min(int(largest_bytes), 64 << 20))
@@ -95,7 +101,12 @@ def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, 
     """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 40 ms of computation
     (matrix products) and an all-reduce on channel 0 that outlasts it (three times as long by
     `cost`, at most 64 MiB) timed alone and then together (`slowdowns_of`); each the median over
-    `repeats` such triples and then over the ranks; at least 1."""
+    `repeats` such triples and then over the ranks; at least 1.
+
+    Args:
+        channels, dtype, device, repeats: as ``measure_cost``.
+        cost: the fitted a and b (they size the all-reduce).
+    """
     work = ProbeWork(dtype, device)
     count = work.count_for(SLOWDOWN_PROBE_SECONDS)
     element = torch.tensor([], dtype=dtype).element_size()
@@ -128,7 +139,12 @@ def slowdowns_of(compute_alone: float, transfer_alone: float, compute_together: 
                  transfer_together: float) -> tuple[float, float]:
     """(σ, τ) from one probe: σ = together / alone for the computation; the transfer, which
     outlasts it, progressed at 1/τ while the computation ran, so its extra time is D − D/τ with D
-    the computation's time together; τ capped at 20."""
+    the computation's time together; τ capped at 20.
+
+    Args:
+        compute_alone, transfer_alone: seconds of the computation and of the all-reduce, each alone.
+        compute_together, transfer_together: their seconds when run at once.
+    """
     extra = transfer_together - transfer_alone
     tau = compute_together / max(compute_together - extra, compute_together / MAX_SLOWDOWN)
     return compute_together / compute_alone, min(MAX_SLOWDOWN, tau)
@@ -146,7 +162,13 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
     pairs and then over the ranks (one rank descheduled in one pair must not set it for all). The
     ops are completed after the clock stops: what remains of their transfers then is
     communication, not the computing thread's time. A single-element op barely transmits, so the
-    simulator's slowdown σ (charged while ops transmit) takes no share of the difference."""
+    simulator's slowdown σ (charged while ops transmit) takes no share of the difference.
+
+    Args:
+        channels, dtype, device, repeats: as ``measure_cost``.
+        cost: the fitted a (it sizes the slices).
+        ops: ops launched per timed run.
+    """
     names = [f"probe{i}" for i in range(ops)]
     parameters = {}
     for name in names:
