@@ -60,7 +60,7 @@ START_ITER = 2  # uncompressed steps before compression (the least the torch hoo
 LEARNING_RATE = 0.01
 ONE_BUCKET_MB = 1024  # larger than any model here
 COMPUTE_ONLY = "compute only"
-CALIBRATION_LIMIT = 100  # steps a gradsync row may take to measure its profile and time its plans
+CALIBRATION_LIMIT = 300  # steps a gradsync row may take to measure its profile and time its plans
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -241,7 +241,9 @@ class Variant:
             sync = attached(self.model)
             report["plan"] = sync.plan.options.get("chosen")  # what `auto` picked
             installed = sync.installed
-            report["trials"] = installed.trial_times  # the plans `auto` timed, if any
+            trials = installed.trials  # what `auto` timed, if anything
+            report["trials"] = None if trials is None else list(zip(trials.labels, trials.seconds))
+            report["trial_iterations"] = None if trials is None else trials.iterations
             report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
                                              installed.rank_profiles, self.compute_scales)
         return report
@@ -366,6 +368,7 @@ class RowResult:
     predicted: float | None
     plan: str | None
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
+    trial_iterations: int | None = None  # the iterations auto's trials took before it settled
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
     first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
@@ -422,7 +425,7 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
             replay = {**replay, "cost": run_cost}
             first_fit, predicted = predicted, replayed_prediction(replay)
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
-                                   replay, codec, first_fit)
+                                   row.get("trial_iterations"), replay, codec, first_fit)
     return results
 
 
@@ -463,7 +466,8 @@ def setting_table(setting: Setting, results: dict[str, RowResult]) -> list[str]:
         ratio = speedup(results, label)
         name = f"{label} (→ {row.plan})" if row.plan else label
         if row.trials:
-            name = name[:-1] + "; timed " + ", ".join(f"{plan} {seconds * 1e3:.0f}" for plan, seconds in row.trials) + " ms)"
+            timed = ", ".join(f"{plan} {seconds * 1e3:.0f}" for plan, seconds in row.trials)
+            name = name[:-1] + f"; timed {timed} ms in {row.trial_iterations} iterations)"
         lines.append("| " + " | ".join([
             name, f"{row.seconds * 1e3:.1f}", "—" if ratio is None else f"{ratio:.2f}×",
             "—" if row.comm is None else f"{row.comm * 1e3:.1f}",
@@ -555,8 +559,10 @@ NOTES = [
     " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
     " speed, and the job's cost: the median of its fits before, midway through and after the timed rounds);"
     " error = (predicted −"
-    " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job (plan"
-    " trials: 2 turns of 2 iterations each, A B C C B A, run alone; the slowest rank's median) before choosing.",
+    " measured) / measured. `→` names the planner `auto` chose, and the plans it timed on the job before"
+    " choosing (plan trials, run alone: rounds of 2 iterations per plan, forth then back, torch DDP's buckets"
+    " kept unless another plan is faster at 95% confidence; the slowest rank's median visit; the iterations"
+    " they took).",
     "One rank's batch of synthetic data: " + ", ".join(f"{name} {w.batch} {w.samples}" for name, w in WORKLOADS.items())
     + ", sized for the balance of computation and communication at 1 Gbit/s (REPRODUCTION.md).",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"

@@ -66,7 +66,13 @@ def step_prediction(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...]
     """Predicted time of a step sending `rounds`. One round: the simulator's. A later round starts
     once the one before is reduced and decoded, and its own encoding is done (the computing thread's
     serial work, `codec_seconds`), so its all-reduces follow the first round's end, before the next
-    forward (timed by simulating its plan with all gradients ready at once); the thread then waits."""
+    forward (timed by simulating its plan with all gradients ready at once); the thread then waits.
+
+    Args:
+        layout_plans: the plan of every wire layout (``plan_layouts``).
+        rounds: the layouts the step sends, in order (``Codec.rounds``).
+        cost: the all-reduce cost model.
+    """
     first = layout_plans[rounds[0]]
     timeline = simulate(first.plan, first.wire, cost)
     if len(rounds) == 1:
@@ -85,19 +91,32 @@ def step_prediction(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...]
 
 
 def predict_step(layout_plans: dict[str, LayoutPlan], rounds: tuple[str, ...], cost: CostModel) -> float:
-    """Predicted iteration time of a step sending `rounds` (`step_prediction`)."""
+    """Predicted iteration time of a step sending `rounds`.
+
+    Args:
+        layout_plans, rounds, cost: as ``step_prediction``.
+    """
     return step_prediction(layout_plans, rounds, cost).time
 
 
 def predict_steady(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, ...]], cost: CostModel) -> float:
-    """The mean predicted step time over `cycle`, the rounds of a codec's steady cycle of steps."""
+    """The mean predicted step time over a codec's steady cycle of steps.
+
+    Args:
+        layout_plans, cost: as ``step_prediction``.
+        cycle: each step's rounds over the cycle (``Codec.steady_rounds``).
+    """
     return sum(predict_step(layout_plans, rounds, cost) for rounds in cycle) / len(cycle)
 
 
 def predict_cycle(profile: ModelProfile, cost: CostModel, planner: BoundPlanner, codec: Codec,
                   flops_per_second: float | None = None) -> tuple[dict[str, LayoutPlan], float]:
     """The plans of every layout and the mean predicted step time over the codec's steady cycle
-    (e.g. ACP-SGD's P step and Q step). Arguments as `plan_layouts`."""
+    (e.g. ACP-SGD's P step and Q step).
+
+    Args:
+        profile, cost, planner, codec, flops_per_second: as ``plan_layouts``.
+    """
     layout_plans = plan_layouts(profile, cost, planner, codec, flops_per_second)
     return layout_plans, predict_steady(layout_plans, codec.steady_rounds(), cost)
 
@@ -114,20 +133,30 @@ class Alternative:
 
 def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner,
                       count: int) -> list[Alternative]:
-    """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: the
-    planner itself (its own choice), then the planner restricted to one candidate each
-    (`BoundPlanner.alternatives`), best predicted cycle time first, skipping any whose steady
-    layouts' plans equal those of one already listed. `codec` must be set up."""
+    """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: first
+    its baseline (``BoundPlanner.baseline``: torch DDP's buckets) when its candidates include one,
+    then the planner itself (its own choice), then the planner restricted to each other candidate,
+    best predicted cycle time first; any whose steady layouts' plans equal those of one already
+    listed is skipped.
+
+    Args:
+        profile, cost: what the plans are made on.
+        codec: the compressor, set up on the profile's tensors.
+        planner: a bound planner that chooses (``BoundPlanner.chooses``).
+        count: the most alternatives returned.
+    """
     def alternative(bound: BoundPlanner) -> tuple[Alternative, tuple[str, ...]]:
         layout_plans, predicted = predict_cycle(profile, cost, bound, codec)
         steady = [layout_plans[layout].plan for layout in steady_layouts(codec)]
         return Alternative(bound, chosen_label(steady), predicted), tuple(plan.hash for plan in steady)
 
-    own, own_hashes = alternative(planner)
-    ranked = sorted((alternative(single) for single in planner.alternatives()),
+    baseline = planner.baseline()
+    first = [alternative(baseline)] if baseline is not None else []
+    first.append(alternative(planner))
+    ranked = sorted((alternative(single) for single in planner.alternatives() if single != baseline),
                     key=lambda item: (item[0].predicted, item[0].planner.described()))
-    alternatives, seen = [own], {own_hashes}
-    for single, hashes in ranked:
+    alternatives, seen = [], set()
+    for single, hashes in [*first, *ranked]:
         if len(alternatives) >= count:
             break
         if hashes not in seen:

@@ -1,5 +1,8 @@
-"""auto's plan trials: the plans worth comparing are timed on the live job and the fastest kept."""
+"""auto's plan trials: the plans worth comparing are timed on the live job; torch DDP's buckets
+are kept unless another plan is faster with confidence, and the choice is checked afterwards."""
 import copy
+import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -8,88 +11,128 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync import compress, planners
-from gradsync.planning import Alternative, plan_alternatives, predict_cycle
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
+from gradsync.planning import Alternative, plan_alternatives, predict_cycle
 from gradsync.profile import zoo
 from gradsync.runtime import attached
 from gradsync.runtime.measure import TrialsDone
 from gradsync.runtime.measure import trials as trials_module
-from gradsync.runtime.measure.trials import PlanTrials, kept_trial, trial_order
+from gradsync.runtime.measure.trials import MIN_ROUNDS, PlanTrials, judge
 from runtime_models import TiedNet, batch
 
+CONFIDENCE, TOLERANCE = 0.95, 0.02
 
-@pytest.mark.parametrize("seconds, tolerance, kept", [
-    ([1.0, 0.9, 0.95], 0.02, 1),  # the fastest, by more than the tolerance
-    ([1.0, 0.99, 1.2], 0.02, 0),  # within the tolerance: auto's choice stays
-    ([1.0, 0.97, 0.97], 0.02, 1),  # a tie: the earlier
-    ([1.0, 0.99], 0.0, 1),
-    ([0.5, 0.6, 0.7], 0.02, 0),
+
+def sequential_verdict(truth: list[float], noise: float, rng: random.Random, budget: int = 16):
+    """Rounds of visit times drawn around `truth` (log-normal, `noise` relative spread), judged
+    after each round as the trials do, the last look at round `budget`."""
+    rounds = []
+    while True:
+        rounds.append([seconds * math.exp(rng.gauss(0.0, noise)) for seconds in truth])
+        verdict = judge(rounds, CONFIDENCE, TOLERANCE, last=len(rounds) >= budget)
+        if verdict is not None:
+            return verdict
+
+
+@pytest.mark.parametrize("truth, noise, kept, at_least", [
+    # a plan 8% faster than the baseline, visits 3% noisy: found at the stated confidence
+    ([1.0, 0.92], 0.03, 1, 0.95),
+    # the faster of two challengers (6% and 10%), found as often
+    ([1.0, 0.94, 0.90], 0.03, 2, 0.90),
+    # no real difference: the baseline kept at the stated confidence (over every look)
+    ([1.0, 1.0], 0.03, 0, CONFIDENCE),
+    ([1.0, 1.0, 1.0], 0.03, 0, CONFIDENCE),
+    # slower challengers are never kept
+    ([1.0, 1.1, 1.05], 0.03, 0, 1.0),
 ])
-def test_kept_trial(seconds, tolerance, kept):
-    assert kept_trial(seconds, tolerance) == kept
+def test_trials_pick_a_faster_plan_at_the_stated_confidence_and_keep_ddp_within_noise(truth, noise, kept, at_least):
+    rng = random.Random(7)
+    runs = 400
+    verdicts = [sequential_verdict(truth, noise, rng) for _ in range(runs)]
+    share = sum(verdict.kept == kept for verdict in verdicts) / runs
+    assert share >= at_least - 2 * math.sqrt(at_least * (1 - at_least) / runs)  # two standard errors
 
 
-@pytest.mark.parametrize("count, rounds, order", [
-    (3, 2, [0, 1, 2, 2, 1, 0]),
-    (2, 3, [0, 1, 1, 0, 0, 1]),
-    (2, 1, [0, 1]),
-])
-def test_trial_order_alternates_direction(count, rounds, order):
-    assert trial_order(count, rounds) == order
+def test_judge_waits_for_three_rounds_then_stops_on_clear_evidence():
+    rounds = [[1.0, 0.8], [1.01, 0.81], [0.99, 0.79], [1.0, 0.8], [1.0, 0.8]]
+    assert judge(rounds[:MIN_ROUNDS - 1], CONFIDENCE, TOLERANCE, last=False) is None
+    assert judge(rounds, CONFIDENCE, TOLERANCE, last=False) is None  # looks come after pairs of rounds
+    verdict = judge(rounds[:MIN_ROUNDS], CONFIDENCE, TOLERANCE, last=False)
+    assert verdict.kept == 1 and verdict.settled and verdict.rounds == MIN_ROUNDS
+    assert verdict.gains[1] == pytest.approx(1.0 / 0.8 - 1, rel=0.02)
+    # equal times: the challenger cannot be worth the change; the baseline kept, settled
+    equal = judge([[1.0, 1.0]] * MIN_ROUNDS, CONFIDENCE, TOLERANCE, last=False)
+    assert equal.kept == 0 and equal.settled
+    # undecided evidence waits for more rounds, and the last look keeps the baseline, unsettled
+    noisy = [[1.0, 0.97], [1.0, 1.03], [1.0, 0.96], [1.0, 1.04]]
+    assert judge(noisy, CONFIDENCE, TOLERANCE, last=False) is None
+    ended = judge(noisy, CONFIDENCE, TOLERANCE, last=True)
+    assert ended.kept == 0 and not ended.settled
 
 
-def trials_under_drift(rank, world_size, seconds: dict, drift: float):
-    """PlanTrials on a scripted job whose plan `name` takes `seconds[name]` plus `drift` more at
-    every iteration (the host slowing down steadily); what was installed and timed. A plan is
-    named by its planner's first candidate (auto's own choice, without candidates, is "auto's")."""
+def scripted_trials(seconds: dict, drift: float, confidence: float = CONFIDENCE):
+    """PlanTrials on a scripted job whose plan `name` takes `seconds[name]`, times (1 + `drift`) more
+    at every iteration (the host slowing down steadily); a plan is named by its planner's candidate."""
     clock = {"now": 0.0}
     trials_module.now = lambda device: clock["now"]
-    names = list(seconds)
-    alternatives = [Alternative(planners.bind("auto"), names[0], 0.0)]
-    alternatives += [Alternative(planners.bind("auto", candidates=(name,)), name, 0.0) for name in names[1:]]
-    group = SimpleNamespace(process_group=None, timeout=60.0)
-    trials = PlanTrials(None, alternatives, 2, planners.bind("auto").tolerance, group, torch.device("cpu"))
+    auto = planners.bind("auto", confidence=confidence, trial_seconds=1000.0)
+    alternatives = [Alternative(auto.with_options(candidates=(name,)), name, 0.0) for name in seconds]
+    channels = SimpleNamespace(process_group=None, timeout=60.0, rank=0)
+    trials = PlanTrials(None, alternatives, 2, auto, channels, torch.device("cpu"))
+
     def name_of(planner):
         return next(alternative.label for alternative in alternatives if alternative.planner == planner)
 
+    return trials, clock, name_of
+
+
+def trials_under_drift(rank, world_size, seconds: dict, drift: float):
+    """What the scripted trials installed, timed and kept."""
+    trials, clock, name_of = scripted_trials(seconds, drift)
     installed = [name_of(trials.first.planner)]
     done = SimpleNamespace(skipped=False)
-    for iteration in range(100):
-        clock["now"] += seconds[installed[-1]] + drift * iteration
+    for iteration in range(1000):
+        clock["now"] += seconds[installed[-1]] * (1 + drift * iteration)
         request = trials.iteration_done(done)
         if request is not None and request.planner is not None:
             installed.append(name_of(request.planner))
         if isinstance(request, TrialsDone):
-            return {"installed": installed, "trials": request.times, "iterations": iteration + 1}
+            return {"installed": installed, "result": request.result, "iterations": iteration + 1,
+                    "kept_by_request": None if request.planner is None else name_of(request.planner)}
     raise AssertionError("the trials did not end")
 
 
-def test_trials_visit_plans_both_ways_so_a_drifting_host_ranks_them_right():
-    # Timed one plan after the other (3 iterations each), the slowdown of 0.02 s per iteration
-    # would rank auto's choice first (1.04, 1.09, 1.10 s); visited A B C C B A, every plan's
-    # samples sit at the same mean time, and C, truly the fastest, is kept.
-    seconds = {"auto's": 1.00, "wfbp": 0.97, "mg_wfbp": 0.90}
-    result = run_local(trials_under_drift, 1, seconds, 0.02, timeout=120)[0]
-    # a settling iteration after each switch; the second visit of c follows the first directly
-    assert result["iterations"] == 5 + 3 * 2 * 2
-    assert result["installed"] == ["auto's", "wfbp", "mg_wfbp", "wfbp", "auto's", "mg_wfbp"]
-    labels = [label for label, _ in result["trials"]]
-    assert labels == list(seconds)
-    for (label, median), truth in zip(result["trials"], seconds.values()):
-        assert median == pytest.approx(truth + 0.02 * 8.5)
+def test_trials_visit_plans_forth_and_back_so_a_drifting_host_ranks_them_right():
+    # The host slows by 0.4% per iteration: timed one plan after the other, ddp (visited first)
+    # would look fastest. Visited forth then back, paired within each round, the drift cancels
+    # and mg_wfbp, truly 10% faster than ddp, is kept.
+    seconds = {"ddp": 1.00, "wfbp": 0.97, "mg_wfbp": 0.90}
+    result = run_local(trials_under_drift, 1, seconds, 0.004, timeout=120)[0]
+    trial = result["result"]
+    # round 1: ddp wfbp mg_wfbp; round 2 goes on with mg_wfbp (no switch), then wfbp, ddp; round 3 ...
+    assert result["installed"][:7] == ["ddp", "wfbp", "mg_wfbp", "wfbp", "ddp", "wfbp", "mg_wfbp"]
+    # a settling iteration after each switch (and at the start): 3 x 3 in the first round, 2 + 2 x 3 after
+    assert result["iterations"] == trial.iterations == 9 + 8 * (trial.verdict.rounds - 1)
+    assert trial.verdict.rounds % 2 == 0
+    assert trial.labels == ("ddp", "wfbp", "mg_wfbp") and trial.kept == "mg_wfbp" and trial.verdict.settled
+    assert trial.verdict.gains[2] == pytest.approx(1 / 0.9 - 1, abs=0.01)
+    assert trial.verdict.gains[1] == pytest.approx(1 / 0.97 - 1, abs=0.01)
+    installed_last = result["installed"][-2] if result["kept_by_request"] else result["installed"][-1]
+    assert (result["kept_by_request"] or installed_last) == "mg_wfbp"
+    assert "kept mg_wfbp: faster than ddp with confidence" in trial.summary()
 
 
 @pytest.mark.parametrize("compressor, steady", [(None, ("plain",)),
                                                 ({"type": "acp_sgd", "rank": 4, "start_iter": 2}, ("P", "Q"))])
-def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor, steady):
+def test_alternatives_are_ddp_then_auto_then_the_best_predicted_distinct_plans(compressor, steady):
     profile = zoo("resnet50")
     cost = CostModel.preset("asc-wfbp-10gbe", 8)
     codec = compress.build(compressor)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
-    alternatives = [alternative.planner for alternative in plan_alternatives(profile, cost, codec,
-                                                                             planners.bind("auto"), 4)]
-    assert alternatives[0] == planners.bind("auto") and len(alternatives) == 4
+    auto = planners.bind("auto")
+    alternatives = plan_alternatives(profile, cost, codec, auto, 4)
+    assert len(alternatives) == 4
     # brute force: every candidate's predicted cycle and the plans it runs once warmed up (the
     # uncompressed warm-up layout does not make two plans different)
     pool = [name for name in planners.names() if name != "auto"]
@@ -97,26 +140,42 @@ def test_alternatives_are_auto_then_the_best_predicted_distinct_plans(compressor
     for name in pool:
         plans, seconds = predict_cycle(profile, cost, planners.bind("auto", candidates=(name,)), codec)
         outcomes[name] = (seconds, tuple(plans[layout].plan.hash for layout in steady))
-    plans = predict_cycle(profile, cost, planners.bind("auto"), codec)[0]
-    expected, seen = [], {tuple(plans[layout].plan.hash for layout in steady)}
+    own = tuple(predict_cycle(profile, cost, auto, codec)[0][layout].plan.hash for layout in steady)
+    expected, seen = [planners.bind("auto", candidates=("ddp",))], {outcomes["ddp"][1]}
+    if own not in seen:
+        expected.append(auto)
+        seen.add(own)
     for name in sorted(pool, key=lambda n: (outcomes[n][0], n)):
-        if outcomes[name][1] not in seen and len(expected) < 3:
+        if outcomes[name][1] not in seen and len(expected) < 4:
             seen.add(outcomes[name][1])
             expected.append(planners.bind("auto", candidates=(name,)))
-    assert alternatives[1:] == expected
+    assert [alternative.planner for alternative in alternatives] == expected
+    assert alternatives[0].label == "ddp"
+    for alternative in alternatives:
+        assert alternative.predicted == pytest.approx(predict_cycle(profile, cost, alternative.planner, codec)[1])
+
+
+def test_without_ddp_among_the_candidates_auto_own_choice_comes_first():
+    profile = zoo("resnet50")
+    cost = CostModel.preset("asc-wfbp-10gbe", 8)
+    codec = compress.build(None)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
+    auto = planners.bind("auto", candidates=("wfbp", "mg_wfbp"))
+    alternatives = plan_alternatives(profile, cost, codec, auto, 3)
+    assert alternatives[0].planner == auto and auto.baseline() is None
 
 
 def training_with_trials(rank, world_size):
-    """24 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
+    """60 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
     torch.manual_seed(3)
     model = TiedNet()
     reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     make = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
     model, optimizer = gradsync.wrap(model, make(model.parameters()), scheduler="auto",
-                                     candidates=("wfbp", "ddp", "us_byte"), plan_trials=3)
+                                     candidates=("wfbp", "ddp", "us_byte"), plan_trials=3, trial_seconds=0.1)
     ref_optimizer = make(reference.parameters())
-    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (optimizer, ref_optimizer)]
-    for step in range(24):
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=8, gamma=0.7) for o in (optimizer, ref_optimizer)]
+    for step in range(60):
         for net, opt in ((model, optimizer), (reference, ref_optimizer)):
             opt.zero_grad()
             tokens, targets = batch(rank, step)
@@ -127,20 +186,46 @@ def training_with_trials(rank, world_size):
     optimizer.synchronize()
     sync = attached(model)
     error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    result = {"error": error, "trials": sync.installed.trial_times, "chosen": sync.plan.options["chosen"],
-              "measuring": sync.measurement is not None}
+    report = gradsync.report(model)
+    result = {"error": error, "trials": report.trials, "chosen": report.chosen, "measuring": report.measuring}
     sync.detach()
     return result
 
 
-def test_trials_time_each_plan_keep_the_fastest_and_train_like_ddp():
+def test_trials_time_each_plan_keep_one_and_train_like_ddp():
     results = run_local(training_with_trials, 2, timeout=300)
-    assert results[0]["trials"] == results[1]["trials"]  # one decision on every rank
-    labels = [label for label, _ in results[0]["trials"]]
-    seconds = [s for _, s in results[0]["trials"]]
-    assert len(labels) >= 2 and len(set(labels)) == len(labels)
-    assert set(labels) <= {"wfbp", "ddp", "us_byte"}
+    trials = results[0]["trials"]
+    assert trials is not None and results[1]["trials"] == trials  # one decision on every rank
+    assert trials.labels[0] == "ddp"  # the baseline first
+    assert len(trials.labels) >= 2 and len(set(trials.labels)) == len(trials.labels)
+    assert set(trials.labels) <= {"wfbp", "ddp", "us_byte"}
+    assert trials.verdict.rounds >= MIN_ROUNDS and trials.verdict.rounds % 2 == 0
     for result in results:
-        assert result["chosen"] == labels[kept_trial(seconds, 0.02)]
+        assert result["chosen"] == trials.kept
         assert not result["measuring"]
         assert result["error"] < 1e-5
+
+
+def watched(rank, world_size, times: list[float], cooldown: int):
+    """ChoiceWatch over scripted iteration times, against a trial time of 1 s: the iterations after
+    which it started the trials again."""
+    trials_module.RETRIAL_COOLDOWN = cooldown
+    trials, _, name_of = scripted_trials({"ddp": 1.0, "us_byte": 0.9}, 0.0)
+    watch = trials_module.ChoiceWatch(trials, 1.0)
+    restarts = []
+    for iteration, seconds in enumerate(times):
+        again = watch.observe(SimpleNamespace(skipped=False, stats=SimpleNamespace(iteration_time=seconds)))
+        if again is not None:
+            restarts.append((iteration + 1, name_of(again.first.planner), len(again.rounds)))
+            watch = trials_module.ChoiceWatch(trials, 1.0)
+    return restarts
+
+
+@pytest.mark.parametrize("times, cooldown, restarts", [
+    ([1.05] * 96, 0, []),  # within RETRIAL_DRIFT of the trial time
+    ([1.05] * 32 + [1.2] * 16 + [1.0] * 16 + [1.2] * 16, 0, []),  # slower in one window, not two running
+    ([1.0] * 32 + [1.2] * 32, 0, [(64, "ddp", 0)]),  # two slow windows: the trials again, from the baseline
+    ([1.2] * 64, 48, [(48, "ddp", 0)]),  # not before the cool-down
+])
+def test_the_choice_is_checked_and_the_trials_run_again_when_the_kept_plan_slows(times, cooldown, restarts):
+    assert run_local(watched, 1, times, cooldown, timeout=120)[0] == restarts

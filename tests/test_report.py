@@ -20,7 +20,7 @@ def reports_over_training(rank, world_size):
     model = TiedNet()
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                      compressor={"type": "acp_sgd", "rank": 2},
-                                     warmup_iterations=1, measure_iterations=2)
+                                     warmup_iterations=1, measure_iterations=2, trial_seconds=0.2)
     sync = attached(model)
     early = gradsync.report(model)
     step = 0
@@ -46,7 +46,7 @@ def reports_over_training(rank, world_size):
         "latest_is_last": settled.latest == sync.clock.history[-1],
         "steady_layouts": settled.steady_layouts, "steady": settled.steady.layout,
         "layouts": sorted(settled.layouts), "chosen": settled.chosen,
-        "trials": [label for label, _ in settled.trials or ()],
+        "trials": settled.trials.labels if settled.trials else (), "kept": settled.trials and settled.trials.kept,
         "scheduler": settled.scheduler, "compressor": settled.compressor,
         "gradient_bytes": (settled.gradient_bytes, sum(p.numel() * p.element_size() for p in trainable.values())),
         "summary": settled.steady.summary(), "timelines_match": timelines_match, "hashes_match": hashes_match,
@@ -68,8 +68,8 @@ def test_the_report_follows_the_runtime_from_calibration_to_the_chosen_plan():
         assert result["timelines_match"] and result["hashes_match"]
         names = set(planners.names())
         assert set(result["chosen"].split("/")) <= names
-        assert len(result["trials"]) >= 2 and result["chosen"] in result["trials"]
-        assert (result["scheduler"], result["compressor"]) == ("auto {'channels': 2}", "acp_sgd")
+        assert len(result["trials"]) >= 2 and result["chosen"] == result["kept"] and result["trials"][0] == "ddp"
+        assert (result["scheduler"], result["compressor"]) == ("auto {'trial_seconds': 0.2, 'channels': 2}", "acp_sgd")
         assert result["gradient_bytes"][0] == result["gradient_bytes"][1] > 0
         summary = result["summary"]
         assert summary["planner"] == "auto" and summary["chosen"] in names and summary["ops"] >= 1

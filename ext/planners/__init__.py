@@ -40,7 +40,10 @@ class PlannerSpec:
         source: the paper and section it implements (a key of the bibliography), or "".
         strategy: the Lightning strategy name, when not `name` (e.g. torch's own ``ddp``).
         chooses: it picks one of the other planners' plans; it then takes ``candidates`` (names,
-            None for all) and ``tolerance`` (how much faster a later candidate must be).
+            None for all), ``tolerance`` (how much faster a later candidate must be), and, for its
+            trials on the job (``runtime.measure.trials``), ``confidence`` and ``trial_seconds``.
+        baseline: its plans are the closest to torch DDP's: a choosing planner's trials keep them
+            unless another plan is faster with confidence.
     """
 
     name: str
@@ -50,6 +53,7 @@ class PlannerSpec:
     source: str = ""
     strategy: str | None = None
     chooses: bool = False
+    baseline: bool = False
 
     @property
     def strategy_name(self) -> str:
@@ -100,11 +104,32 @@ class BoundPlanner:
         """How much faster (relative) a plan other than its own choice must be to replace it."""
         return with_defaults(self.spec.options, self.options)["tolerance"] if self.chooses else 0.0
 
+    @property
+    def confidence(self) -> float:
+        """The confidence with which its trials must find another plan faster than the baseline's."""
+        return self._setting("confidence")
+
+    @property
+    def trial_seconds(self) -> float:
+        """The time its trials on the job may take before keeping what they have found."""
+        return self._setting("trial_seconds")
+
+    def _setting(self, name: str):
+        if not self.chooses:
+            raise ConfigError(f"scheduler {self.name!r} does not choose among planners: it has no {name!r}")
+        return with_defaults(self.spec.options, self.options)[name]
+
     def alternatives(self) -> list[BoundPlanner]:
         """A choosing planner restricted to each of its candidates in turn (none otherwise)."""
         if not self.chooses:
             return []
         return [self.with_options(candidates=(name,)) for name in self.options.get("candidates") or candidates()]
+
+    def baseline(self) -> BoundPlanner | None:
+        """A choosing planner restricted to its baseline candidate (``PlannerSpec.baseline``: torch
+        DDP's buckets), if its candidates include one."""
+        return next((single for single in self.alternatives()
+                     if registry.get(single.options["candidates"][0]).baseline), None)
 
     def described(self) -> str:
         """Its name and given options, for messages and reports."""

@@ -19,6 +19,15 @@ MIB = 1 << 20
 
 def plan(profile: ModelProfile, cost: CostModel, *, bucket_cap_bytes: int, first_bucket_bytes: int,
          overlap_forward: bool) -> Plan:
+    """DDP's buckets in backward order, one op each, launched in bucket order (module docstring).
+
+    Args:
+        profile: the model's per-layer times and tensors (ModelProfile); only its tensors count.
+        cost: the all-reduce cost model (unused: DDP's buckets do not depend on it).
+        bucket_cap_bytes: the size (bytes) at which a bucket after an element size's first closes.
+        first_bucket_bytes: the size (bytes) at which each element size's first bucket closes.
+        overlap_forward: defer the step's waits to each layer's next forward (us-byte Fig. 1).
+    """
     open_buckets: dict[int, list] = {}  # element size -> tensors of the bucket being filled
     filled: dict[int, int] = {}
     closed_sizes: set[int] = set()  # element sizes whose first bucket is closed
@@ -48,4 +57,4 @@ SPEC = PlannerSpec(
     options=(Option("bucket_cap_bytes", 25 * MIB, positive_int, "a bucket's size (bytes)", is_bytes=True),
              Option("first_bucket_bytes", 1 * MIB, positive_int, "the first bucket's size (bytes)", is_bytes=True),
              OVERLAP_FORWARD),
-    source="torch DDP", strategy="ddp_buckets")
+    source="torch DDP", strategy="ddp_buckets", baseline=True)

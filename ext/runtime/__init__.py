@@ -59,23 +59,38 @@ def wrap(
     topology=None,
     **options,
 ):
-    """Attach gradsync to `model` and return ``(model, optimizer)``.
+    """Attach gradsync to `model` and return ``(model, optimizer)``: the model object unchanged
+    (hooks only) and an optimizer wrapping `optimizer`. Every argument is checked before the first
+    collective.
 
-    The model object comes back unchanged (hooks only). The returned optimizer wraps `optimizer`.
-    `compressor`: a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
-    `profile`/`cost`: an object, a JSON path, or ``"measure"`` (the first `warmup_iterations` +
-    `measure_iterations` iterations run with one all-reduce at the end of the backward pass while
-    layers are timed; the cost, a, b, γ, the host time per op and the slowdowns, is measured at
-    wrap time). `plan_trials` (scheduler ``"auto"`` with a measured profile):
-    once the profile is measured, auto's choice and the next best predicted plans, up to this many,
-    run twice in turn, forth then back (A B C C B A), 2 iterations per turn (whole codec cycles;
-    after one to settle), and the fastest median replaces auto's choice if faster by more than
-    auto's `tolerance`; below 2, auto's choice is kept untimed. `channels`: process groups for simultaneous all-reduces
-    (default 2; passed to planners that take it). `nonfinite`: ``"raise"`` (name the parameter),
-    ``"skip"`` (skip the step on every rank) or ``"ignore"``. `transport`: ``"allreduce"`` (the
-    backend's) or ``"forest"`` (reduce/broadcast trees packed on `topology`: a Topology, a preset
-    name or a file; default the complete graph of the ranks). `options` go to the planner.
-    Every argument is checked before the first collective.
+    Args:
+        model: the replica on this rank (its parameters on their device).
+        optimizer: a torch optimizer over the model's trainable parameters.
+        scheduler: the scheduler's name (``gradsync list``); its options go in `options`.
+        compressor: None, a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
+        channels: process groups for simultaneous all-reduces (default 2; passed to planners that
+            take it).
+        process_group: the ranks to synchronise (default: the whole world).
+        profile: a ModelProfile, a JSON path, or ``"measure"``: the first `warmup_iterations` +
+            `measure_iterations` iterations run with one all-reduce at the end of the backward pass
+            while the layers are timed.
+        cost: a CostModel, a JSON path, or ``"measure"``: a, b, γ, the host time per op and the
+            slowdowns, probed at wrap time.
+        trace: a path for a Chrome trace of this rank's hooks and ops (None: no trace).
+        timeout: seconds any collective of gradsync may wait for a peer before PeersTimedOut.
+        nonfinite: ``"raise"`` (name the parameter), ``"skip"`` (skip the step on every rank) or
+            ``"ignore"``.
+        broadcast_buffers: give every rank rank 0's buffers after each backward pass, as DDP does.
+        warmup_iterations, measure_iterations: iterations skipped, then timed, by ``profile="measure"``.
+        plan_trials: with a choosing scheduler (``auto``) and a measured profile, how many plans to
+            time on the job (torch DDP's buckets, auto's choice, the next best predicted): DDP's are
+            kept unless another is faster with auto's `confidence` (``runtime.measure.trials``);
+            below 2, auto's choice is kept untimed.
+        transport: ``"allreduce"`` (the backend's) or ``"forest"`` (reduce/broadcast trees packed on
+            `topology`).
+        topology: for the forest transport, a Topology, a preset name or a file (default: the complete
+            graph of the ranks).
+        options: the scheduler's options (``gradsync.planners.spec(scheduler).options``).
     """
     arguments = check_wrap_arguments(scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite,
                                      broadcast_buffers, warmup_iterations, measure_iterations, plan_trials,
@@ -85,7 +100,12 @@ def wrap(
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: WrapArguments,
            process_group=None):
-    """``wrap`` with arguments already checked by ``check_wrap_arguments``."""
+    """``wrap`` with arguments already checked by ``check_wrap_arguments``.
+
+    Args:
+        model, optimizer, process_group: as ``wrap``.
+        arguments: the rest of ``wrap``'s arguments, checked.
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     check_not_attached(model)
@@ -162,7 +182,13 @@ def check_same_settings(arguments: WrapArguments, model: torch.nn.Module, proces
     """Every rank passed `wrap` the same settings (`WrapArguments.shared_settings`: the planner's,
     the codec's and the transport's options among them) and the same model (`model_table`); else
     every rank raises, naming the fields that differ and the ranks, before any other collective
-    (a dtype or shape that differs would otherwise meet inside the backend)."""
+    (a dtype or shape that differs would otherwise meet inside the backend).
+
+    Args:
+        arguments: this rank's checked ``wrap`` arguments.
+        model: this rank's model.
+        process_group: gradsync's process group (bounded by ``wrap``'s timeout).
+    """
     everyone = gather_from_all({**arguments.shared_settings(), **model_table(model)}, process_group)
     first = everyone[0]
     differing = {}

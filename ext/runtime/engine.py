@@ -105,7 +105,7 @@ class GradSync:
         return SyncReport(
             scheduler=installed.planner.described(), compressor=self.codec.name,
             layouts=installed.layout_reports(), steady_layouts=installed.steady_layouts,
-            measuring=installed.measurement is not None, trials=installed.trial_times,
+            measuring=installed.measurement is not None, trials=installed.trials,
             iteration=self.clock.iteration, history=tuple(self.clock.history), gradient_bytes=self.gradient_bytes)
 
     def check_optimizer(self, optimizer) -> None:

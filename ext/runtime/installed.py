@@ -21,7 +21,7 @@ from .compute_speed import ComputeSpeed, slowest_over_ranks
 from .executor import PlanExecutor
 from .parameter_table import ParameterTable
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
-from .measure.trials import PlanTrials
+from .measure.trials import ChoiceWatch, PlanTrials, TrialResult
 from .report import LayoutReport
 
 
@@ -53,12 +53,17 @@ class InstalledPlans:
         self.speed = ComputeSpeed()
         self.measurement: Measurement | None = None
         self.rank_profiles: tuple[ModelProfile, ...] = ()  # each rank's measured profile (`profile` combines them)
-        self.trial_times: tuple[tuple[str, float], ...] | None = None  # auto's timed plans (PlanTrials)
+        self.trials: TrialResult | None = None  # what auto's latest trials timed and kept (PlanTrials)
+        self.watch: ChoiceWatch | None = None  # checks auto's choice after its trials
 
     def install(self, profile: ModelProfile, cost: CostModel, planner: BoundPlanner | None = None) -> None:
-        """Plan every codec layout on its wire profile with `profile` and `cost` (equal on every
-        rank) by `planner` (default: the wrapped scheduler), check the hashes on every rank, and
-        execute the plans from the next backward pass."""
+        """Plan every wire layout of the codec, check the plans' hashes on every rank, and execute
+        the plans from the next backward pass.
+
+        Args:
+            profile, cost: what the plans are made on (equal on every rank).
+            planner: the bound planner (None: the wrapped scheduler).
+        """
         planner = planner or self.planner
         layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
                         for layout, entry in plan_layouts(profile, cost, planner, self.codec).items()}
@@ -89,12 +94,18 @@ class InstalledPlans:
         return tuple(steady_layouts(self.codec))
 
     def iteration_done(self, done: IterationDone, predicted_busy: float) -> None:
-        """After a synchronised iteration: the measurement in progress goes on, or the predictions
-        follow the computation's speed."""
+        """After a synchronised iteration: the measurement in progress goes on; else the predictions
+        follow the computation's speed and auto's choice is checked."""
         if self.measurement is not None:
             self._carry_out(self.measurement.iteration_done(done))
-        elif self.speed.observe(done.stats.busy_time, predicted_busy):
+            return
+        if self.speed.observe(done.stats.busy_time, predicted_busy):
             self._follow_compute_speed()
+        if self.watch is not None:
+            again = self.watch.observe(done)
+            if again is not None:
+                self.watch, self.measurement = None, again
+                self.install(again.first.profile, self.cost, again.first.planner)
 
     def _carry_out(self, request: Install | ProfileMeasured | TrialsDone | None) -> None:
         """What the measurement asked for."""
@@ -109,8 +120,7 @@ class InstalledPlans:
         elif isinstance(request, TrialsDone):
             if request.planner is not None:
                 self.install(self.profile, self.cost, request.planner)
-            self.trial_times = request.times
-            self.measurement = None
+            self.trials, self.watch, self.measurement = request.result, request.watch, None
 
     def _follow_compute_speed(self) -> None:
         """Rescale the predictions to the slowest rank's measured speed (a collective; every rank

@@ -14,6 +14,7 @@ from ..profile import ModelProfile
 from ..simulate import Timeline, simulate
 
 if TYPE_CHECKING:
+    from .measure.trials import TrialResult
     from .statistics import IterationStats
 
 
@@ -48,7 +49,8 @@ class SyncReport:
         layouts: per wire layout, the installed plan (the calibration plan while measuring).
         steady_layouts: the layouts a step sends once the codec is warmed up, in sending order.
         measuring: whether the profile, the cost or a choosing planner's trials are still measured.
-        trials: what a choosing planner (auto) timed, (its choice, median seconds), or None.
+        trials: what a choosing planner's (auto's) latest trials timed and kept, with why
+            (``TrialResult.summary()``), or None.
         iteration: iterations run so far.
         history: the recent iterations' statistics, oldest first.
         gradient_bytes: the uncompressed bytes of the gradients it synchronises.
@@ -59,7 +61,7 @@ class SyncReport:
     layouts: dict[str, LayoutReport]
     steady_layouts: tuple[str, ...]
     measuring: bool
-    trials: tuple[tuple[str, float], ...] | None
+    trials: "TrialResult | None"
     iteration: int
     history: tuple["IterationStats", ...]
     gradient_bytes: int

@@ -16,6 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from ...plan import Plan
 from ...planners import BoundPlanner
 from ...profile import ModelProfile
 from ..statistics import IterationStats
+
+if TYPE_CHECKING:
+    from .trials import ChoiceWatch, TrialResult
 
 
 def median(samples: list[float]) -> float:
@@ -73,11 +77,12 @@ class ProfileMeasured:
 
 @dataclass(frozen=True)
 class TrialsDone:
-    """The trials are over: install `planner`'s plans (None: keep the installed ones); `times`
-    holds each trial's label (the planner its steady plans came from) and median seconds."""
+    """The trials are over: install `planner`'s plans (None: keep the installed ones); `result`
+    says what was timed and decided; `watch` checks the choice from now on."""
 
     planner: BoundPlanner | None
-    times: tuple[tuple[str, float], ...]
+    result: "TrialResult"
+    watch: "ChoiceWatch"
 
 
 class Measurement:

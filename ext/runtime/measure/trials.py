@@ -1,11 +1,41 @@
 """Plan trials: the plans of a planner that chooses among others (``auto``) timed on the live job,
-and the one to keep."""
+the baseline kept unless another is faster with confidence, and the choice checked afterwards.
+
+The simulator ranks plans; the job decides. Two plans the simulator predicts a few percent apart can
+run in the other order (its host-time and slowdown terms are means), and single iterations are
+noisier than the differences being ranked. So the trials are a sequential paired comparison:
+
+1. the alternatives (``planning.plan_alternatives``: the baseline, torch DDP's buckets, first) are
+   visited in rounds, each plan once per round for `iterations` timed iterations after one to
+   settle the switch, the order reversed every other round so that a drifting host weighs on all
+   alike; a visit's time is the median of its iterations, the slowest rank's;
+2. after each pair of rounds (forth and back: a steady drift cancels), each challenger's gain over
+   the baseline is the mean over rounds of log(baseline's visit / challenger's visit) (paired within
+   a round), with a one-sided Student-t bound (``judge``);
+3. a challenger wins when its lower bound is above 0: at interim looks at level 1 − 0.001, at the
+   last look (the time budget, `trial_seconds`, spent at the end of a pair of rounds, or
+   `MAX_ROUNDS` run) at the stated confidence, each divided among
+   the challengers (Haybittle–Peto boundaries with a Bonferroni split: the error rate over all looks
+   stays within 1 − confidence); a challenger is dropped when its upper bound at the confidence is
+   below the planner's `tolerance` (it cannot be worth a change);
+4. the trials stop when every challenger has won or been dropped, or at the last look; the winner
+   with the largest gain is kept, else the baseline.
+
+Afterwards ``ChoiceWatch`` compares the kept plan's iteration times with its trial time; when they
+stay slower by more than ``RETRIAL_DRIFT`` (the network or the host changed), the trials run again.
+Every decision is taken on values all-reduced over the ranks, so every rank takes it at the same
+iteration; each installation is hash-checked.
+"""
 from __future__ import annotations
 
+import logging
 import math
+import statistics
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from scipy.stats import t as student_t
 
 from ...agreement import waiting_for
 from ...compress import Codec
@@ -17,106 +47,259 @@ from ..channels import Channels
 from . import Install, IterationDone, Measurement, TrialsDone, median, now
 
 TRIAL_ITERATIONS = 2  # timed per visit of a plan, after one to settle; rounded up to whole codec cycles
-TRIAL_ROUNDS = 2  # visits of each plan
+MIN_ROUNDS = 4  # rounds before the first look, whatever the time budget
+MAX_ROUNDS = 16  # the last look at the latest (a fast model's budget in time would allow many more)
+INTERIM_ALPHA = 0.001  # a challenger's error level at interim looks (Haybittle–Peto)
+WATCH_WINDOW = 16  # iterations per comparison of the kept plan with its trial time
+RETRIAL_DRIFT = 0.10  # the kept plan's iterations this much slower than in its trials, twice running: trials again
+RETRIAL_COOLDOWN = 256  # iterations after the trials before the watch may start them again
+
+log = logging.getLogger("gradsync")
 
 
-def trial_order(count: int, rounds: int) -> list[int]:
-    """The order in which `count` plans are visited: `rounds` passes, every other one reversed
-    (0 1 2 2 1 0 …), so that a steady drift of the host's speed weighs on every plan alike."""
-    order: list[int] = []
-    for index in range(rounds):
-        order += list(range(count)) if index % 2 == 0 else list(reversed(range(count)))
-    return order
+@dataclass(frozen=True)
+class Verdict:
+    """What the trials concluded.
+
+    Args:
+        kept: the index of the alternative kept (0: the baseline).
+        settled: every challenger won or was dropped (False: the budget ran out first).
+        gains: each alternative's estimated speed-up over the baseline (0.05: 5% faster; 0 for it).
+        margins: the half-widths of those estimates at the stated confidence.
+        rounds: the rounds the trials ran.
+    """
+
+    kept: int
+    settled: bool
+    gains: tuple[float, ...]
+    margins: tuple[float, ...]
+    rounds: int
 
 
-def kept_trial(seconds: list[float], tolerance: float) -> int:
-    """The index of the trial to keep: the fastest, unless trial 0 (auto's choice) is within
-    `tolerance` of it; among equal times the earliest."""
-    fastest = min(range(len(seconds)), key=seconds.__getitem__)
-    return 0 if seconds[fastest] >= seconds[0] * (1 - tolerance) else fastest
+def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: bool) -> Verdict | None:
+    """The verdict on trial rounds so far (steps 2–4 of the module docstring), None while undecided
+    (or before `MIN_ROUNDS`, or after an odd number of rounds).
+
+    Args:
+        rounds: per round, each alternative's visit time in seconds, the baseline first.
+        confidence: the stated confidence (e.g. 0.95).
+        tolerance: a challenger that cannot be faster than the baseline by this fraction is dropped.
+        last: the last look (the budget is spent): decide whatever the evidence.
+    """
+    count, looks = len(rounds[0]), len(rounds)
+    if count == 1:
+        return Verdict(0, True, (0.0,), (0.0,), looks)
+    if (looks < MIN_ROUNDS or looks % 2) and not last:
+        return None
+    if looks < 2:  # no spread to judge by: the baseline
+        return Verdict(0, False, (0.0,) * count, (math.inf,) * count, looks)
+    challengers = count - 1
+    winning = 1 - ((1 - confidence) if last else INTERIM_ALPHA) / challengers
+    win_quantile = student_t.ppf(winning, looks - 1)
+    quantile = student_t.ppf(confidence, looks - 1)
+    worth = -math.log(1 - tolerance)  # the log-gain of a plan faster by `tolerance`
+    gains, margins, winners, undecided = [0.0], [0.0], [], False
+    for index in range(1, count):
+        logs = [math.log(visits[0] / visits[index]) for visits in rounds]
+        mean = statistics.fmean(logs)
+        error = statistics.stdev(logs) / math.sqrt(looks)
+        gains.append(math.expm1(mean))
+        margins.append(math.expm1(mean + quantile * error) - math.expm1(mean))
+        if mean - win_quantile * error > 0:
+            winners.append(index)
+        elif mean + quantile * error >= worth:
+            undecided = True
+    if undecided and not last:
+        return None
+    kept = max(winners, key=lambda index: gains[index], default=0)
+    return Verdict(kept, not undecided, tuple(gains), tuple(margins), looks)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """The trials' outcome, for the report and the log.
+
+    Args:
+        labels: each alternative's label (the planner its steady plans come from), the baseline first.
+        seconds: each alternative's median visit time over the rounds, the slowest rank's.
+        predicted: each alternative's predicted step time (the simulator's).
+        verdict: the decision.
+        iterations: the iterations the trials took, settling ones included.
+    """
+
+    labels: tuple[str, ...]
+    seconds: tuple[float, ...]
+    predicted: tuple[float, ...]
+    verdict: Verdict
+    iterations: int
+
+    @property
+    def kept(self) -> str:
+        return self.labels[self.verdict.kept]
+
+    def summary(self) -> str:
+        """One line: what was kept and why."""
+        verdict, baseline = self.verdict, self.labels[0]
+        compared = ", ".join(f"{label} {gain:+.1%} ± {margin:.1%}" for label, gain, margin
+                             in zip(self.labels[1:], verdict.gains[1:], verdict.margins[1:]))
+        taken = f"{verdict.rounds} rounds, {self.iterations} iterations"
+        if verdict.kept:
+            why = f"faster than {baseline} with confidence"
+        elif verdict.settled:
+            why = "no other plan faster with confidence"
+        else:
+            why = "the trial budget ran out before any other plan was found faster with confidence"
+        line = f"kept {self.kept}: {why} ({taken}; speed-up over {baseline}: {compared})"
+        if not verdict.settled:
+            spread = max(self.predicted) / min(self.predicted) - 1
+            line += f"; the simulator predicts them within {spread:.1%} of each other"
+        return line
 
 
 class PlanTrials(Measurement):
-    """Times the plans of `alternatives` (auto, then auto restricted to one candidate each) on the live
-    job, visiting them in `trial_order` for `iterations` iterations per visit, after one iteration
-    to settle each switch (a visit that follows one of the same plan needs neither the switch nor
-    the settling), and keeps the plan with the smallest median iteration time over its visits, the
-    slowest rank's; auto's own choice stays unless that is faster by more than `tolerance`
-    (measurements are noisy too).
+    """Times the plans of `alternatives` on the live job and keeps one (module docstring).
 
     Args:
         profile: the measured profile the plans are made on.
-        alternatives: the plans to time, auto's own choice first (``planning.plan_alternatives``).
+        alternatives: the plans to time, the baseline first (``planning.plan_alternatives``).
         iterations: timed iterations per visit.
-        tolerance: auto's tolerance.
-        channels: for the all-reduce of the ranks' medians.
+        planner: the wrapped scheduler (its `confidence`, `tolerance` and `trial_seconds`).
+        channels: for the all-reduce of the ranks' visit times.
         device: the model's device (timing waits for its queued work).
     """
 
-    def __init__(self, profile: ModelProfile, alternatives: list[Alternative], iterations: int, tolerance: float,
-                 channels: Channels, device: torch.device):
+    def __init__(self, profile: ModelProfile, alternatives: list[Alternative], iterations: int,
+                 planner: BoundPlanner, channels: Channels, device: torch.device):
         self.profile = profile
         self.alternatives = alternatives
         self.iterations = iterations
-        self.tolerance = tolerance
+        self.planner = planner
         self.channels = channels
         self.device = device
-        self.order = trial_order(len(alternatives), TRIAL_ROUNDS)
-        self.visit = 0  # position in `order`
-        self.taken = 0  # samples taken in this visit
+        self.rounds: list[list[float]] = []  # the slowest rank's visit times, per round
+        self.visits = [0.0] * len(alternatives)  # this rank's, in the round under way
+        self.position = 0  # in this round's order
+        self.samples: list[float] = []  # the visit under way
         self.settling = True  # the next iteration still applies the previous plan's deferred updates
-        self.last_end = now(device)  # when the iteration being timed began
-        self.samples: list[list[float]] = [[] for _ in alternatives]
+        self.iterations_taken = 0
+        self.started = self.last_end = now(device)
 
     @classmethod
     def start(cls, profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner, count: int,
               channels: Channels, device: torch.device) -> "PlanTrials | None":
         """Trials of up to `count` plans of `planner` (install ``first`` now); None when there is
         nothing to compare (a planner that does not choose, `count` < 2, or every candidate makes
-        the same plans)."""
+        the same plans).
+
+        Args:
+            profile, cost: what the plans are made on.
+            codec: the compressor, set up (visits last whole cycles of its steady rounds).
+            planner: the wrapped scheduler, bound.
+            count: ``wrap``'s `plan_trials`.
+            channels, device: as the constructor's.
+        """
         if count < 2 or not planner.chooses:
             return None
         alternatives = plan_alternatives(profile, cost, codec, planner, count)
         if len(alternatives) < 2:
             return None
         cycle = len(codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
-        return cls(profile, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle), planner.tolerance,
-                   channels, device)
+        return cls(profile, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle), planner, channels, device)
+
+    def again(self) -> "PlanTrials":
+        """The same trials from the start."""
+        return PlanTrials(self.profile, self.alternatives, self.iterations, self.planner, self.channels, self.device)
+
+    def order(self, round_index: int) -> list[int]:
+        """The visiting order of a round: forth, then back (0 1 2, 2 1 0, 0 1 2, ...)."""
+        forth = list(range(len(self.alternatives)))
+        return forth if round_index % 2 == 0 else forth[::-1]
 
     @property
     def first(self) -> Install:
         """The plans the trials start with."""
-        return Install(self.profile, self.alternatives[self.order[0]].planner)
+        return Install(self.profile, self.alternatives[self.order(0)[0]].planner)
 
     def iteration_done(self, done: IterationDone) -> Install | TrialsDone | None:
         ended = now(self.device)
         started, self.last_end = self.last_end, ended
-        if self.settling:  # this iteration's forward still applied the previous plan's deferred updates
+        self.iterations_taken += 1
+        if self.settling:
             self.settling = False
             return None
         if done.skipped:  # a step skipped for non-finite gradients (on every rank) is no sample
             return None
-        index = self.order[self.visit]
-        self.samples[index].append(ended - started)
-        self.taken += 1
-        if self.taken < self.iterations:
+        self.samples.append(ended - started)
+        if len(self.samples) < self.iterations:
             return None
-        self.visit, self.taken = self.visit + 1, 0
-        if self.visit == len(self.order):
-            return self._keep_fastest(index)
-        if self.order[self.visit] == index:
-            return None
-        self.settling = True
-        return Install(self.profile, self.alternatives[self.order[self.visit]].planner)
+        order = self.order(len(self.rounds))
+        self.visits[order[self.position]] = median(self.samples)
+        self.samples, self.position = [], self.position + 1
+        if self.position < len(order):
+            self.settling = True
+            return Install(self.profile, self.alternatives[order[self.position]].planner)
+        return self._end_round()
 
-    def _keep_fastest(self, installed: int) -> TrialsDone:
-        """The fastest trial (`kept_trial` on the slowest rank's medians); `installed` is the trial
-        whose plans run now."""
-        slowest = torch.tensor([median(samples) for samples in self.samples], dtype=torch.float64,
-                               device=self.device)
+    def _end_round(self) -> TrialsDone | None:
+        """Gather the round's visit times (the slowest rank's) and judge; the next round starts
+        with the plan that ends this one (no switch)."""
+        gathered = torch.tensor([*self.visits, now(self.device) - self.started], dtype=torch.float64,
+                                device=self.device)
         with waiting_for("the plan trials' result", self.channels.timeout):
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.channels.process_group)
-        medians = slowest.tolist()
-        fastest = kept_trial(medians, self.tolerance)
-        times = tuple((alternative.label, seconds) for alternative, seconds in zip(self.alternatives, medians))
-        return TrialsDone(None if fastest == installed else self.alternatives[fastest].planner, times)
+            dist.all_reduce(gathered, op=dist.ReduceOp.MAX, group=self.channels.process_group)
+        *visits, elapsed = gathered.tolist()
+        self.rounds.append(visits)
+        self.position = 0
+        looks = len(self.rounds)
+        last = looks >= MIN_ROUNDS and looks % 2 == 0 and (elapsed >= self.planner.trial_seconds
+                                                           or looks >= MAX_ROUNDS)
+        verdict = judge(self.rounds, self.planner.confidence, self.planner.tolerance, last)
+        if verdict is None:
+            return None
+        installed = self.order(len(self.rounds) - 1)[-1]
+        result = TrialResult(tuple(a.label for a in self.alternatives),
+                             tuple(statistics.median(column) for column in zip(*self.rounds)),
+                             tuple(a.predicted for a in self.alternatives), verdict, self.iterations_taken)
+        if self.channels.rank == 0:
+            log.info("gradsync auto: %s", result.summary())
+        kept = None if verdict.kept == installed else self.alternatives[verdict.kept].planner
+        return TrialsDone(kept, result, ChoiceWatch(self, result.seconds[verdict.kept]))
+
+
+class ChoiceWatch:
+    """Compares the kept plan's iteration times with its time in the trials, every `WATCH_WINDOW`
+    iterations (the slowest rank's window median): slower by more than `RETRIAL_DRIFT` in two
+    windows running, at least `RETRIAL_COOLDOWN` iterations after the trials, starts them again.
+
+    Args:
+        trials: the trials that kept the plan (run again from the start).
+        seconds: the kept plan's median visit time in them.
+    """
+
+    def __init__(self, trials: PlanTrials, seconds: float):
+        self.trials = trials
+        self.seconds = seconds
+        self.window: list[float] = []
+        self.seen = 0
+        self.slow_windows = 0
+
+    def observe(self, done: IterationDone) -> PlanTrials | None:
+        """After an iteration under the kept plan: the trials to run again, or None."""
+        self.seen += 1
+        if done.skipped:
+            return None
+        self.window.append(done.stats.iteration_time)
+        if len(self.window) < WATCH_WINDOW:
+            return None
+        slowest = torch.tensor([median(self.window)], dtype=torch.float64, device=self.trials.device)
+        self.window = []
+        with waiting_for("the check of auto's choice (every 16 iterations)", self.trials.channels.timeout):
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.trials.channels.process_group)
+        slow = slowest.item() > self.seconds * (1 + RETRIAL_DRIFT)
+        self.slow_windows = self.slow_windows + 1 if slow else 0
+        if self.slow_windows >= 2 and self.seen >= RETRIAL_COOLDOWN:
+            if self.trials.channels.rank == 0:
+                log.info("gradsync auto: the kept plan runs %.0f%% slower than in its trials: timing the plans again",
+                         100 * (slowest.item() / self.seconds - 1))
+            return self.trials.again()
+        return None
