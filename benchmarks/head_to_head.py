@@ -504,12 +504,37 @@ def error_by_world_size(summaries: dict[Setting, dict[str, RowResult]]) -> str:
                                       for size, values in errors.items())
 
 
+AUTO_WITHIN = 0.03  # auto's target: within 3% of the best fixed planner
+
+
+def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list[str]) -> str | None:
+    """auto against torch DDP (target ≥ 1×) and against the fastest fixed non-compressing plan of
+    the setting (target: within 3%), with the iterations its trials took; None without an auto row."""
+    auto = ROWS["auto"].label
+    if auto not in results:
+        return None
+    fixed = {label: results[label].seconds for label in plan_rows if label in results and label != auto}
+    line = (f"- {setting.model}, {setting.world_size} ranks, {setting.network}: auto (→ {results[auto].plan}) "
+            + speedup_target(speedup(results, auto), "torch DDP", 1.0))
+    if fixed:
+        best = min(fixed, key=fixed.get)
+        ratio = fixed[best] / results[auto].seconds
+        line += (f"; {ratio:.3f}× the best fixed plan ({best}) (target ≥ {1 - AUTO_WITHIN:g}×): "
+                 f"{verdict(ratio, 1 - AUTO_WITHIN)}")
+    if results[auto].trial_iterations is not None:
+        line += f"; its trials took {results[auto].trial_iterations} iterations"
+    return line
+
+
 def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
-    """The project's four targets, each with its measured value and verdict."""
+    """The project's targets, each with its measured value and verdict."""
     lines = []
     plan_rows = [row.label for row in ROWS.values()
                  if row.is_gradsync and row.compressor is None and row.transport == "allreduce"]
     for setting, results in summaries.items():
+        auto = auto_target(setting, results, plan_rows)
+        if auto is not None:
+            lines.append(auto)
         if setting.model == "cnn" and setting.network == "1gbit":
             ratios = {label: speedup(results, label) for label in plan_rows if label in results}
             ratios = {k: v for k, v in ratios.items() if v is not None}

@@ -150,6 +150,21 @@ def test_the_best_non_compressing_plan_counts_every_uncompressed_gradsync_row_th
     assert ROWS["mg_wfbp_overlap"].options == {"overlap_forward": True}
 
 
+def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
+    auto, mg_wfbp, wfbp = ROWS["auto"].label, ROWS["mg_wfbp"].label, ROWS["wfbp"].label
+    report = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.2] * 3, wfbp: [1.3] * 3, mg_wfbp: [1.0] * 3,
+                          auto: [1.02] * 3})
+    report["rows"][auto].update(plan="mg_wfbp", trials=[["ddp", 1.2], ["mg_wfbp", 1.0]], trial_iterations=49)
+    [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
+    assert line.startswith("- transformer, 2 ranks, 10gbit: auto (→ mg_wfbp) 1.18× torch DDP (target ≥ 1×): reached")
+    assert "0.980× the best fixed plan (gradsync mg_wfbp) (target ≥ 0.97×): reached" in line
+    assert line.endswith("its trials took 49 iterations")
+    slower = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.0] * 3, mg_wfbp: [0.9] * 3, auto: [1.05] * 3})
+    [line, *_] = targets({Setting("cnn", 2, "10gbit"): summarise([slower])})
+    assert "0.95× torch DDP (target ≥ 1×): NOT reached" in line and "0.857× the best fixed plan" in line
+    assert "NOT reached" in line.split("best fixed plan")[1]
+
+
 def test_on_request_rows_run_only_when_named_and_topology_rows_only_on_a_topology():
     assert set(default_rows(topology=True)) == set(ROWS) - set(ON_REQUEST_ROWS)
     assert set(default_rows(topology=False)) == set(ROWS) - set(ON_REQUEST_ROWS) - set(TOPOLOGY_ROWS)

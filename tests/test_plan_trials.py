@@ -1,6 +1,7 @@
 """auto's plan trials: the plans worth comparing are timed on the live job; torch DDP's buckets
 are kept unless another plan is faster with confidence, and the choice is checked afterwards."""
 import copy
+import logging
 import math
 import random
 from types import SimpleNamespace
@@ -88,7 +89,12 @@ def scripted_trials(seconds: dict, drift: float, confidence: float = CONFIDENCE)
 
 
 def trials_under_drift(rank, world_size, seconds: dict, drift: float):
-    """What the scripted trials installed, timed and kept."""
+    """What the scripted trials installed, timed, kept and logged."""
+    logged = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("gradsync").addHandler(handler)
+    logging.getLogger("gradsync").setLevel(logging.INFO)
     trials, clock, name_of = scripted_trials(seconds, drift)
     installed = [name_of(trials.first.planner)]
     done = SimpleNamespace(skipped=False)
@@ -99,7 +105,8 @@ def trials_under_drift(rank, world_size, seconds: dict, drift: float):
             installed.append(name_of(request.planner))
         if isinstance(request, TrialsDone):
             return {"installed": installed, "result": request.result, "iterations": iteration + 1,
-                    "kept_by_request": None if request.planner is None else name_of(request.planner)}
+                    "kept_by_request": None if request.planner is None else name_of(request.planner),
+                    "logged": logged}
     raise AssertionError("the trials did not end")
 
 
@@ -121,6 +128,7 @@ def test_trials_visit_plans_forth_and_back_so_a_drifting_host_ranks_them_right()
     installed_last = result["installed"][-2] if result["kept_by_request"] else result["installed"][-1]
     assert (result["kept_by_request"] or installed_last) == "mg_wfbp"
     assert "kept mg_wfbp: faster than ddp with confidence" in trial.summary()
+    assert result["logged"] == [f"gradsync auto: {trial.summary()}"]
 
 
 @pytest.mark.parametrize("compressor, steady", [(None, ("plain",)),

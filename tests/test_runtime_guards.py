@@ -260,7 +260,7 @@ def stalled_peer(rank, world_size, where):
         return stalled
 
     modules = {"runtime": runtime, "engine": engine, "installed": installed, "calibration": calibration,
-               "PlanTrials": trials.PlanTrials}
+               "trials": trials, "PlanTrials": trials.PlanTrials}
     module, attribute, options = STALL_POINTS[where]
     if rank == 1 and module is not None:
         setattr(modules[module], attribute, stalling(getattr(modules[module], attribute)))
@@ -273,7 +273,7 @@ def stalled_peer(rank, world_size, where):
         settings = {"scheduler": "wfbp", "profile": synthetic_profile(model), "cost": COST, **options}
         model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=STALL_TIMEOUT,
                                          warmup_iterations=0, measure_iterations=1, **settings)
-        for step in range(30):
+        for step in range(60):
             arrived = time.monotonic()
             optimizer.zero_grad()
             tokens, targets = batch(rank, step)
@@ -300,6 +300,9 @@ STALL_POINTS = {
     "trials": ("PlanTrials", "_end_round", {"scheduler": "auto", "profile": "measure"}),
     "buffers": ("engine", "_broadcast_from_first", {}),
     "speed": ("installed", "slowest_over_ranks", {}),
+    # after 4 trial rounds (33 iterations, the 0.01 s budget spent) and a window of 16
+    "choice check": ("trials", "slowest_over_ranks", {"scheduler": "auto", "profile": "measure",
+                                                      "trial_seconds": 0.01}),
     "state_dict": (None, None, {"compressor": "acp_sgd"}),
 }
 NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check of gradsync.wrap",
@@ -308,6 +311,7 @@ NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check o
          "probes": "the network probes at gradsync.wrap", "layer times": "the gather of the ranks' layer times",
          "trials": "the plan trials' result", "buffers": "the broadcast of rank 0's buffers after the backward pass",
          "speed": "the compute-speed check (every 8 iterations)",
+         "choice check": "the check of auto's choice (every 16 iterations)",
          "state_dict": "state_dict's gather of every rank's error feedback"}
 
 

@@ -44,6 +44,7 @@ from ...planners import BoundPlanner
 from ...planning import Alternative, plan_alternatives
 from ...profile import ModelProfile
 from ..channels import Channels
+from ..compute_speed import slowest_over_ranks
 from . import Install, IterationDone, Measurement, TrialsDone, median, now
 
 TRIAL_ITERATIONS = 2  # timed per visit of a plan, after one to settle; rounded up to whole codec cycles
@@ -291,15 +292,14 @@ class ChoiceWatch:
         self.window.append(done.stats.iteration_time)
         if len(self.window) < WATCH_WINDOW:
             return None
-        slowest = torch.tensor([median(self.window)], dtype=torch.float64, device=self.trials.device)
+        channels = self.trials.channels
+        with waiting_for("the check of auto's choice (every 16 iterations)", channels.timeout):
+            slowest = slowest_over_ranks(median(self.window), channels.process_group, self.trials.device)
         self.window = []
-        with waiting_for("the check of auto's choice (every 16 iterations)", self.trials.channels.timeout):
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.trials.channels.process_group)
-        slow = slowest.item() > self.seconds * (1 + RETRIAL_DRIFT)
-        self.slow_windows = self.slow_windows + 1 if slow else 0
+        self.slow_windows = self.slow_windows + 1 if slowest > self.seconds * (1 + RETRIAL_DRIFT) else 0
         if self.slow_windows >= 2 and self.seen >= RETRIAL_COOLDOWN:
-            if self.trials.channels.rank == 0:
+            if channels.rank == 0:
                 log.info("gradsync auto: the kept plan runs %.0f%% slower than in its trials: timing the plans again",
-                         100 * (slowest.item() / self.seconds - 1))
+                         100 * (slowest / self.seconds - 1))
             return self.trials.again()
         return None
