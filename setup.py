@@ -21,6 +21,8 @@ setup(
     name="gradsync",
     version="0.1.0",
     description="Faster gradient synchronisation for data-parallel PyTorch training",
+    license="MIT",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=packages(),
     package_dir=FOLDERS,

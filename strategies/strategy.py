@@ -33,16 +33,42 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")  # DDPStrategy's
 
 STATS_PREFIX = "gradsync/"
 
+# DDPStrategy's keyword arguments for DistributedDataParallel (or its comm hooks), which
+# GradSyncStrategy replaces: what to do instead
+DDP_ONLY_OPTIONS = {
+    "find_unused_parameters": "gradsync synchronises parameters that got no gradient on a rank by itself",
+    "static_graph": "gradsync's plans are fixed once made; no graph to declare",
+    "gradient_as_bucket_view": "gradsync's gradients are views of its op buffers already",
+    "bucket_cap_mb": "torch DDP's buckets are the 'ddp' scheduler: scheduler='ddp', bucket_cap_bytes=<bytes>",
+    **dict.fromkeys(("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"),
+                    "compress with compressor=<name> (gradsync list)"),
+    "model_averaging_period": "post-local SGD is not one of gradsync's methods",
+}
+
 
 class GradSyncOverrides:
     """The DDPStrategy methods that assumed a DistributedDataParallel wrapper, rewritten for
     gradsync's hooks; mixed into the DDPStrategy of each installed Lightning package."""
 
-    def __init__(self, scheduler: str = "auto", compressor=None, **options):
-        """`scheduler`: a gradsync planner name; `compressor`: a name, a ``{"type": name, ...}``
-        dict or a Codec. `options`: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``);
-        the rest go to ``gradsync.wrap`` (channels, profile, cost, timeout, nonfinite, planner
-        options, ...). A given `timeout` (seconds) is also Lightning's process group timeout."""
+    def __init__(self, scheduler: str = "auto", compressor=None, progress_bar: bool = False, **options):
+        """The strategy, every argument checked before any rank starts.
+
+        Args:
+            scheduler: a gradsync scheduler name (``gradsync list``).
+            compressor: None, a name, a ``{"type": name, ...}`` dict or a Codec.
+            progress_bar: show gradsync's per-step statistics on the progress bar too (they go to
+                every logger either way).
+            options: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``); the rest go to
+                ``gradsync.wrap`` (channels, profile, cost, timeout, nonfinite, scheduler options,
+                ...). A given `timeout` (seconds) is also Lightning's process group timeout.
+                DistributedDataParallel's options are refused, each with what to use instead.
+        """
+        for name in options:
+            if name in DDP_ONLY_OPTIONS:
+                raise ConfigError(f"{type(self).__name__} replaces DistributedDataParallel and takes no {name!r}: "
+                                  f"{DDP_ONLY_OPTIONS[name]}")
+        if not isinstance(progress_bar, bool):
+            raise ConfigError(f"'progress_bar' must be true or false, got {progress_bar!r}")
         lightning = {name: options.pop(name) for name in LIGHTNING_OPTIONS if name in options}
         # bad values fail here, before any rank is launched
         check_lightning_options(lightning)
@@ -53,6 +79,7 @@ class GradSyncOverrides:
         self.scheduler = scheduler
         self.compressor = compressor
         self.gradsync_options = options
+        self.progress_bar = progress_bar
         self.runtime = None  # the GradSync attached to the LightningModule while fitting
         self.logged_iteration = -1  # the last iteration whose statistics were logged
 
@@ -140,13 +167,14 @@ class GradSyncOverrides:
     def _log_stats(self, stats, gradient_bytes: int) -> None:
         """Log an iteration's measured time, non-overlapped communication (comm_wait), the codec's
         encoding and decoding time (codec_time), bytes sent by this rank and compression ratio
-        (bytes sent / uncompressed gradient bytes) to every Lightning logger and the progress bar
-        (rank 0's values, as for any metric logged without sync_dist)."""
+        (bytes sent / uncompressed gradient bytes) to every Lightning logger, if any, and to the
+        progress bar if asked (rank 0's values, as for any metric logged without sync_dist)."""
         metrics = {"iteration_time": stats.iteration_time, "comm_wait": stats.comm_wait, "codec_time": stats.codec_time,
                    "bytes_sent": float(stats.bytes_sent), "compression_ratio": stats.bytes_sent / gradient_bytes}
+        has_logger = bool(self.lightning_module.trainer.loggers)
         for name, value in metrics.items():
-            self.lightning_module.log(STATS_PREFIX + name, value, on_step=True, on_epoch=False, prog_bar=True,
-                                      logger=True)
+            self.lightning_module.log(STATS_PREFIX + name, value, on_step=True, on_epoch=False,
+                                      prog_bar=self.progress_bar, logger=has_logger)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def lightning_module_state_dict(self):

@@ -176,9 +176,12 @@ def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> di
     plan_ops = PlanOps()
     options["callbacks"] = [plan_ops, *options.get("callbacks", [])]
     trainer = trainer_for(strategy, root, **options)
-    trainer.fit(model, batches(), ckpt_path=ckpt_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, batches(), ckpt_path=ckpt_path)
     return {"params": flat(model), "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
-            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "ops": plan_ops.ops}
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "ops": plan_ops.ops,
+            "no_logger_warnings": [str(w.message) for w in caught if "but have no logger configured" in str(w.message)]}
 
 
 def fp16_with_grad_scaler():
@@ -240,6 +243,7 @@ def all_runs(rank, world_size, root):
     results = {"ddp": fit("ddp", root)}
     for name in NAMES:
         results[name] = attempt(lambda: fit(name, root))
+    results["progress_bar/wfbp"] = attempt(lambda: fit(GradSyncStrategy(scheduler="wfbp", progress_bar=True), root))
     for name in ("ddp", "wfbp", "us_byte"):
         results[f"accumulate/{name}"] = attempt(lambda: fit(name, root, accumulate_grad_batches=2))
         results[f"clip/{name}"] = attempt(lambda: fit(name, root, gradient_clip_val=CLIP))
@@ -338,6 +342,11 @@ def test_gradsync_imports_without_lightning():
     ({"process_group_backend": "bogus"}, "'process_group_backend' 'bogus'.*available: .*gloo"),
     ({"process_group_backend": "cpu:gloo,cuda:bogus"}, "'process_group_backend' 'cpu:gloo,cuda:bogus'"),
     ({"parallel_devices": 3}, "'parallel_devices' must be a list of torch.device, got 3"),
+    ({"find_unused_parameters": True}, "replaces DistributedDataParallel and takes no 'find_unused_parameters': "
+                                       "gradsync synchronises parameters that got no gradient"),
+    ({"bucket_cap_mb": 25}, "takes no 'bucket_cap_mb'.*scheduler='ddp', bucket_cap_bytes"),
+    ({"ddp_comm_hook": print}, "takes no 'ddp_comm_hook'.*compressor="),
+    ({"progress_bar": "yes"}, "'progress_bar' must be true or false"),
 ])
 def test_bad_arguments_fail_at_construction_before_any_rank_starts(arguments, message):
     with pytest.raises(ConfigError, match=message):
@@ -351,30 +360,39 @@ def test_every_strategy_trains_identical_replicas(ranks, name):
     assert distance(first, second) == 0
     assert torch.isfinite(params(first)).all()
     assert distance(first, initial()) > TOLERANCE  # it trained
+    # without a logger (Trainer(logger=False)) no warning per statistic; the progress bar shows
+    # gradsync's statistics only when asked
+    assert first["no_logger_warnings"] == [] and {f"gradsync/{stat}" for stat in STATS} <= set(first["metrics"])
+    assert not any(key.startswith("gradsync/") for key in first["progress_bar"])
+
+
+def test_the_progress_bar_shows_the_statistics_when_asked(ranks):
+    assert {f"gradsync/{stat}" for stat in STATS} <= set(ranks[0]["progress_bar/wfbp"]["progress_bar"])
+    assert distance(ranks[0]["progress_bar/wfbp"], ranks[0]["wfbp"]) == 0
 
 
 @pytest.mark.parametrize("name", [*SCHEDULERS, "forest"])
 def test_uncompressed_strategies_match_ddp(ranks, name):
     assert distance(ranks[0][name], ranks[0]["ddp"]) < TOLERANCE
-    shown = ranks[0][name]["progress_bar"]
+    shown = ranks[0][name]["metrics"]
     assert shown["gradsync/bytes_sent"] >= (GRADIENT_NUMEL + USED_FLAGS + 1) * 4
     assert shown["gradsync/compression_ratio"] == pytest.approx(shown["gradsync/bytes_sent"] / (GRADIENT_NUMEL * 4))
 
 
 def test_wfbp_sends_every_gradient_once(ranks):
     assert ranks[0]["wfbp"]["ops"][-1] == ["plain", 6]  # once timed: one op per tensor
-    assert ranks[0]["wfbp"]["progress_bar"]["gradsync/bytes_sent"] == (GRADIENT_NUMEL + USED_FLAGS + 6) * 4
+    assert ranks[0]["wfbp"]["metrics"]["gradsync/bytes_sent"] == (GRADIENT_NUMEL + USED_FLAGS + 6) * 4
 
 
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_compressors_send_less(ranks, name):
-    assert ranks[0][name]["progress_bar"]["gradsync/compression_ratio"] < 1.0
+    assert ranks[0][name]["metrics"]["gradsync/compression_ratio"] < 1.0
     assert distance(ranks[0][name], ranks[0]["ddp"]) > TOLERANCE
 
 
 def test_acp_sgd_sends_its_q_factors_on_the_last_step(ranks):
     """Steps alternate P, Q, P, ... from the first (Algorithm 2): the sixth step is a Q step."""
-    shown = ranks[0]["acp_sgd"]["progress_bar"]
+    shown = ranks[0]["acp_sgd"]["metrics"]
     layout, ops = ranks[0]["acp_sgd"]["ops"][-1]
     assert layout == "Q"
     sent = ACP_Q_NUMEL + USED_FLAGS + ops
@@ -424,7 +442,7 @@ def test_manual_optimization_matches_ddp(ranks):
     """The gradients the model clips between manual_backward and step are the averaged ones."""
     assert distance(ranks[0]["manual/us_byte"], ranks[0]["manual/ddp"]) < TOLERANCE
     assert distance(ranks[0]["manual/ddp"], ranks[0]["ddp"]) > TOLERANCE  # clipping was active
-    assert {f"gradsync/{name}" for name in STATS} <= set(ranks[0]["manual/us_byte"]["progress_bar"])
+    assert {f"gradsync/{name}" for name in STATS} <= set(ranks[0]["manual/us_byte"]["metrics"])
 
 
 def test_acp_sgd_resumes_exactly_from_a_trainer_checkpoint(ranks):
@@ -499,7 +517,7 @@ def test_registered_names_train_on_one_gpu(tmp_path, record_property):
     assert distance(runs["us_byte"], runs["ddp"]) < TOLERANCE
     acp = runs["acp_sgd"]
     assert [layout for layout, _ in acp["ops"]] == ["P", "Q"] * (STEPS // 2)  # Algorithm 2 alternates from P
-    assert {f"gradsync/{name}" for name in STATS} <= set(acp["progress_bar"])
+    assert {f"gradsync/{name}" for name in STATS} <= set(acp["metrics"])
     assert distance(acp, initial()) > TOLERANCE and all(map(math.isfinite, acp["params"]))
 
 

@@ -18,6 +18,9 @@ def test_non_editable_install_imports_every_subpackage(tmp_path):
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL % SUBPACKAGES], cwd=tmp_path, check=True,
                           capture_output=True, text=True, env={"PYTHONPATH": str(target), "PATH": ""})
     assert done.stdout.strip().startswith(str(target))
+    [info] = target.glob("gradsync-*.dist-info")  # the license travels with the distribution
+    assert "License: MIT" in (info / "METADATA").read_text()
+    assert "MIT License" in next(info.rglob("LICENSE")).read_text()
 
 
 def test_editable_install_imports_every_subpackage_from_the_folders(tmp_path):
