@@ -73,6 +73,9 @@ def _entry(rank, world_size, port, rendezvous, backend, threads, fn, args, queue
         torch.set_num_threads(threads)
         # a rendezvous file of this call alone: concurrent calls can never meet on one port
         dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+        # every rank's connections are up before any rank can finish and close its own: a rank done
+        # first would otherwise close a connection its peer was still completing
+        dist.barrier()
         queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # reported to the parent with its traceback
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
