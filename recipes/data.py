@@ -66,11 +66,7 @@ def synthetic_images(rank: int = 0, world_size: int = 1, batch_size: int = 32, s
     """Gaussian images whose class shifts the mean of one channel stripe: learnable, not trivial.
 
     Args:
-        rank, world_size: this rank and the number of ranks: rank takes every world_size-th training
-            sample from the rank-th (the set trimmed to a multiple of world_size).
-        batch_size: training samples per batch on each rank (the last partial batch is dropped).
-        seed: shuffles this rank's shard (with seed + rank); the data and the train/test split do
-            not depend on it.
+        rank, world_size, batch_size, seed: as ``digits``.
         samples: images in all; four fifths train, the rest test.
         size: the side of the square one-channel images, in pixels.
         classes: the number of classes; class c raises row ``c * size // classes`` (at most `size`
@@ -90,11 +86,7 @@ def synthetic_tokens(rank: int = 0, world_size: int = 1, batch_size: int = 32, s
     """Token sequences whose class is the most frequent of `classes` marker tokens.
 
     Args:
-        rank, world_size: this rank and the number of ranks: rank takes every world_size-th training
-            sample from the rank-th (the set trimmed to a multiple of world_size).
-        batch_size: training samples per batch on each rank (the last partial batch is dropped).
-        seed: shuffles this rank's shard (with seed + rank); the data and the train/test split do
-            not depend on it.
+        rank, world_size, batch_size, seed: as ``digits``.
         samples: sequences in all; four fifths train, the rest test.
         length: tokens per sequence.
         vocab: every token is below it; tokens below `classes` are the class markers (about 30% of a

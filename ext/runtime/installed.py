@@ -105,7 +105,7 @@ class InstalledPlans:
             again = self.watch.observe(done)
             if again is not None:
                 self.watch, self.measurement = None, again
-                self.install(again.first.profile, self.cost, again.first.planner)
+                self._carry_out(again.first)
 
     def _carry_out(self, request: Install | ProfileMeasured | TrialsDone | None) -> None:
         """What the measurement asked for."""
@@ -115,8 +115,7 @@ class InstalledPlans:
             self.rank_profiles = request.rank_profiles
             self.measurement = PlanTrials.start(request.profile, self.cost, self.codec, self.planner,
                                                 self.plan_trials, self.channels, self.table.device)
-            first = self.measurement.first if self.measurement is not None else Install(request.profile)
-            self.install(first.profile, self.cost, first.planner)
+            self._carry_out(self.measurement.first if self.measurement is not None else Install(request.profile))
         elif isinstance(request, TrialsDone):
             if request.planner is not None:
                 self.install(self.profile, self.cost, request.planner)
