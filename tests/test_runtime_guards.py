@@ -241,12 +241,23 @@ def test_ranks_wrapping_with_different_settings_fail_naming_them():
 
 
 STALL_TIMEOUT = 2.0  # wrap's timeout in the stall tests (seconds)
-STALL = STALL_TIMEOUT + 3.0  # how long the stalled rank sleeps: its peer gives up first
+STALL = STALL_TIMEOUT + 3.0  # how long the stalled rank sleeps at most: its peer gives up first
 
 
-def stalled_peer(rank, world_size, where):
+def stall(released: str) -> None:
+    """Sleep STALL seconds, or until the file `released` exists (the peer has failed: the wait
+    has outlasted its timeout, and sleeping on only makes the test slower)."""
+    import time
+
+    deadline = time.monotonic() + STALL
+    while time.monotonic() < deadline and not os.path.exists(released):
+        time.sleep(0.02)
+
+
+def stalled_peer(rank, world_size, where, released):
     """Rank 1 stalls (sleeps past wrap's timeout) at `where` (STALL_POINTS); rank 0 returns the
-    error it gets and how long after the start of wrap or of the iteration it came."""
+    error it gets and how long after the start of wrap or of the iteration it came, and then
+    creates the file `released`, which ends rank 1's stall."""
     import time
 
     from gradsync import runtime
@@ -255,7 +266,7 @@ def stalled_peer(rank, world_size, where):
 
     def stalling(function):
         def stalled(*args, **kwargs):
-            time.sleep(STALL)
+            stall(released)
             return function(*args, **kwargs)
         return stalled
 
@@ -269,7 +280,7 @@ def stalled_peer(rank, world_size, where):
     arrived = time.monotonic()
     try:
         if where == "wrap" and rank == 1:
-            time.sleep(STALL)
+            stall(released)
         settings = {"scheduler": "wfbp", "profile": synthetic_profile(model), "cost": COST, **options}
         model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=STALL_TIMEOUT,
                                          warmup_iterations=0, measure_iterations=1, **settings)
@@ -284,7 +295,9 @@ def stalled_peer(rank, world_size, where):
         arrived = time.monotonic()
         optimizer.state_dict()
     except RuntimeError as failure:
-        return type(failure).__name__, str(failure), time.monotonic() - arrived
+        seconds = time.monotonic() - arrived
+        open(released, "w").close()
+        return type(failure).__name__, str(failure), seconds
     return None, None, time.monotonic() - arrived
 
 
@@ -316,8 +329,8 @@ NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check o
 
 
 @pytest.mark.parametrize("where", list(STALL_POINTS))
-def test_a_peer_stalled_at_a_collective_fails_the_other_within_the_timeout_naming_it(where):
-    reports = run_local(stalled_peer, 2, where, return_errors=True, timeout=120)
+def test_a_peer_stalled_at_a_collective_fails_the_other_within_the_timeout_naming_it(where, tmp_path):
+    reports = run_local(stalled_peer, 2, where, str(tmp_path / "released"), return_errors=True, timeout=120)
     status, (kind, message, seconds) = reports[0]
     assert status == "ok" and kind == "PeersTimedOut", reports[0]
     assert NAMED[where] in message and f"within the timeout of {STALL_TIMEOUT:g} s" in message, message
