@@ -41,7 +41,9 @@ DDP_ONLY_OPTIONS = {
     "gradient_as_bucket_view": "gradsync's gradients are views of its op buffers already",
     "bucket_cap_mb": "torch DDP's buckets are the 'ddp' scheduler: scheduler='ddp', bucket_cap_bytes=<bytes>",
     **dict.fromkeys(("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"),
-                    "compress with compressor=<name> (gradsync list)"),
+                    "compress with compressor=<name> (gradsync list); to keep torch DDP, use "
+                    "DDPStrategy(ddp_comm_state=gradsync.comm_hooks.CompressionState(model, <name>), "
+                    "ddp_comm_hook=gradsync.comm_hooks.compression_hook)"),
     "model_averaging_period": "post-local SGD is not one of gradsync's methods",
 }
 

@@ -34,10 +34,11 @@ class Channels:
     """`count` process groups over the ranks of `process_group`; with `forest` (the topology of
     those ranks, rank i = worker i) ops travel over its forest packing instead of the backend's
     all-reduce. `process_group` also carries gradsync's own collectives; with `owns_group` (a
-    `control_group`) `destroy` releases it too."""
+    `control_group`) `destroy` releases it too. Without `new_groups` the one channel is
+    `process_group` itself."""
 
     def __init__(self, count: int, process_group=None, timeout: timedelta | None = None,
-                 forest: Topology | None = None, owns_group: bool = False):
+                 forest: Topology | None = None, owns_group: bool = False, new_groups: bool = True):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"'channels' must be an integer >= 1, got {count!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -48,12 +49,20 @@ class Channels:
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self.world_size = len(ranks)
         self.rank = dist.get_rank(process_group)
-        self.groups = [dist.new_group(ranks, timeout=timeout) for _ in range(count)]
+        self.new_groups = new_groups
+        self.groups = ([dist.new_group(ranks, timeout=timeout) for _ in range(count)] if new_groups
+                       else [process_group or dist.group.WORLD])
         self.forests: list[ForestAllReduce] = []
         if forest is not None:
             first = ForestAllReduce(forest, process_group=self.groups[0])
             self.forests = [first] + [ForestAllReduce(forest, process_group=group, packing=first.packing)
                                       for group in self.groups[1:]]
+
+    @classmethod
+    def existing(cls, process_group=None) -> "Channels":
+        """One channel that is `process_group` itself (None: the default group): for code called
+        inside another library's communication (a DDP comm hook), where ranks cannot make groups."""
+        return cls(1, process_group, new_groups=False)
 
     @property
     def transport(self) -> str:
@@ -81,7 +90,7 @@ class Channels:
         for forest in self.forests:
             forest.close()
         self.forests = []
-        for group in self.groups:
+        for group in self.groups if self.new_groups else ():
             dist.destroy_process_group(group)
         self.groups = []
         if self.owns_group:

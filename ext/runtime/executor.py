@@ -181,6 +181,17 @@ class PlanExecutor:
         if state.work is None:
             raise RuntimeError(f"op {index} was never launched: the backward pass has not ended")
         state.work.wait()
+        self.collected(index)
+
+    def future(self, index: int) -> torch.futures.Future:
+        """The future of launched op `index`'s collective; its callback calls `collected`
+        (a gloo work must not be waited for inside its own future's callback)."""
+        return self.ops[index].work.get_future()
+
+    def collected(self, index: int) -> None:
+        """Op `index`'s collective has completed: unpack it and let the codec write the tensors
+        whose ops are all done."""
+        state = self.ops[index]
         state.done = True
         if self.trace is not None:
             self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
