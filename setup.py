@@ -21,7 +21,7 @@ setup(
     name="gradsync",
     version="0.1.0",
     description="Faster gradient synchronisation for data-parallel PyTorch training",
-    license="MIT",
+    license="Apache-2.0",
     license_files=["LICENSE"],
     python_requires=">=3.10",
     packages=packages(),

@@ -19,8 +19,8 @@ def test_non_editable_install_imports_every_subpackage(tmp_path):
                           capture_output=True, text=True, env={"PYTHONPATH": str(target), "PATH": ""})
     assert done.stdout.strip().startswith(str(target))
     [info] = target.glob("gradsync-*.dist-info")  # the license travels with the distribution
-    assert "License: MIT" in (info / "METADATA").read_text()
-    assert "MIT License" in next(info.rglob("LICENSE")).read_text()
+    assert "Apache-2.0" in (info / "METADATA").read_text()
+    assert "Apache License\n                           Version 2.0" in next(info.rglob("LICENSE")).read_text()
 
 
 def test_editable_install_imports_every_subpackage_from_the_folders(tmp_path):
