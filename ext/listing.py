@@ -32,7 +32,12 @@ def scheduler_rows() -> list[list[str]]:
 
 def compressor_rows() -> list[list[str]]:
     return [[f"`{spec.name}`", f"`{spec.name}`" if spec.strategy else "—", spec.description,
-             _options(spec.defaults().items()), link(spec.source)] for spec in compress.registry]
+             _options(spec.defaults().items()) + _aliases(spec.aliases), link(spec.source)]
+            for spec in compress.registry]
+
+
+def _aliases(aliases: dict[str, str]) -> str:
+    return "; also " + ", ".join(f"`{alias}` for `{option}`" for alias, option in aliases.items()) if aliases else ""
 
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:

@@ -246,6 +246,17 @@ def test_bad_options_name_the_field(name, options, field):
         compress.get(name, **options)
 
 
+def test_torch_powersgd_option_names_are_accepted_as_aliases():
+    codec = compress.get("powersgd", matrix_approximation_rank=2, start_powerSGD_iter=3, use_error_feedback=False,
+                         warm_start=False)
+    assert (codec.rank, codec.start_iter, codec.error_feedback, codec.warm_start) == (2, 3, False, False)
+    assert compress.build({"type": "powersgd", "matrix_approximation_rank": 1}).rank == 1
+    with pytest.raises(ConfigError, match="'matrix_approximation_rank' is another name for 'rank'"):
+        compress.get("powersgd", rank=2, matrix_approximation_rank=2)
+    with pytest.raises(ConfigError, match="matrix_approximation_rank"):  # an alias is checked as its option is
+        compress.get("powersgd", matrix_approximation_rank=0)
+
+
 @pytest.mark.parametrize("name", ["powersgd", "signsgd", "topk"])
 def test_non_floating_gradients_are_refused_in_setup(name):
     with pytest.raises(ConfigError, match="floating point"):

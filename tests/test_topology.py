@@ -59,6 +59,34 @@ def test_edmonds_matches_brute_force_on_small_graphs():
         assert sum(cost.T[v, reverse[v]] for v in range(n) if v != root) == pytest.approx(expected)
 
 
+def test_edmonds_matches_networkx_on_larger_graphs():
+    """networkx's minimum_spanning_arborescence (its own Edmonds) on graphs too large for brute
+    force; the root is fixed by giving it no entering edge."""
+    import networkx as nx
+
+    rng = np.random.default_rng(11)
+    compared = 0
+    for _ in range(40):
+        n = int(rng.integers(6, 40))
+        cost = rng.random((n, n)) * 10
+        cost[rng.random((n, n)) < 0.6] = np.inf
+        root = int(rng.integers(n))
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(n))
+        graph.add_weighted_edges_from((u, v, cost[u, v]) for u in range(n) for v in range(n)
+                                      if u != v and v != root and np.isfinite(cost[u, v]))
+        parent = min_out_arborescence(cost, root)
+        try:
+            expected = nx.minimum_spanning_arborescence(graph).size(weight="weight")
+        except nx.NetworkXException:  # no spanning arborescence: some node is unreachable from the root
+            assert parent is None
+            continue
+        assert parent is not None and parent[root] == -1
+        assert sum(cost[parent[v], v] for v in range(n) if v != root) == pytest.approx(expected)
+        compared += 1
+    assert compared >= 20  # most graphs have a spanning arborescence
+
+
 @pytest.mark.parametrize("topology, throughput", [
     (complete(4), 2.0), (complete(5), 2.5), (ring(6, bidirectional=False), 0.6), (ring(6), 1.2),
     (dgx1(link_gbps=1.0), 24 / 7),

@@ -38,12 +38,18 @@ def names() -> list[str]:
 
 
 def get(name: str | None, **options) -> Codec:
-    """The codec `name` built with `options` (None means no compression)."""
+    """The codec `name` built with `options` (None means no compression; an option may be given by
+    an alias its spec declares)."""
     spec = registry.get(Codec.name if name is None else name)
+    aliased = sorted(set(options) & set(spec.aliases))
     try:
-        return spec.codec(**options)
+        return spec.codec(**spec.canonical(options))
     except TypeError as exc:
         raise ConfigError(f"compressor {spec.name!r}: {exc}") from exc
+    except ConfigError as exc:
+        if not aliased:
+            raise
+        raise ConfigError(f"{exc} (given as {', '.join(aliased)})") from exc
 
 
 def build(spec) -> Codec:

@@ -203,4 +203,6 @@ class PowerSGD(Codec):
 
 
 SPEC = CodecSpec(PowerSGD, "Power-SGD low-rank compression (P then Q every step) with error feedback",
-                 source="acp-sgd Algorithm 1")
+                 source="acp-sgd Algorithm 1",
+                 aliases={"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
+                          "use_error_feedback": "error_feedback"})  # torch's PowerSGDState names
