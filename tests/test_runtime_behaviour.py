@@ -771,3 +771,33 @@ def bounded_history(rank, world_size):
 
 def test_history_keeps_only_the_most_recent_iterations():
     assert run_local(bounded_history, 2) == [([2, 3, 4], 5)] * 2
+
+
+def profiler_ranges(rank, world_size):
+    """The names of gradsync's ranges in a torch.profiler trace of two iterations (ACP-SGD, wfbp)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                     compressor="acp_sgd", profile=synthetic_profile(model), cost=COST)
+    ops = len(attached(model).plan.ops)
+
+    def step(index):
+        optimizer.zero_grad()
+        tokens, targets = batch(rank, index)
+        F.cross_entropy(model(tokens), targets).backward()
+        optimizer.step()
+
+    step(0)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for index in (1, 2):
+            step(index)
+    return ops, sorted({event.name for event in profiler.events() if event.name.startswith("gradsync::")})
+
+
+def test_ops_and_codec_stages_are_ranges_in_torch_profiler_traces():
+    for ops, names in run_local(profiler_ranges, 2):
+        assert ops > 1
+        stages = ("encode", "launch", "wait", "unpack")
+        assert set(names) == {f"gradsync::{stage} op{i}" for stage in stages for i in range(ops)} | {"gradsync::decode"}

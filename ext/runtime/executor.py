@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..compress import Codec
 from ..compress.gradients import checksum, every_element_finite
@@ -38,6 +39,7 @@ class _OpState:
     channel: int
     buffer: torch.Tensor
     views: list[torch.Tensor]  # the buffer's span of each slice
+    label: str  # "op<index in the plan>", in torch.profiler's ranges
     gathered: list[torch.Tensor] | None = None
     waiting_for: set[str] = field(default_factory=set)
     work: object = None
@@ -64,7 +66,7 @@ class PlanExecutor:
         self.layout = layout
         self.nonfinite = nonfinite
         self.trace = trace
-        self.ops = [self._op_state(op) for op in plan.ops]
+        self.ops = [self._op_state(op, index) for index, op in enumerate(plan.ops)]
         self.decode_seconds = 0.0  # time spent in the codec's finish, in all (inside the waits)
         self.encode_seconds = 0.0  # time spent in the codec's encode in the current step
         self.ops_of_tensor: dict[str, list[int]] = {}
@@ -74,7 +76,7 @@ class PlanExecutor:
         self.order = ops_by_channel(plan.ops)
         self.start_iteration(0)
 
-    def _op_state(self, op) -> _OpState:
+    def _op_state(self, op, index: int) -> _OpState:
         tensors = op.tensors()
         if op.transport != self.channels.transport:
             raise ConfigError(f"an op asks for transport {op.transport!r} but the channels run "
@@ -93,7 +95,7 @@ class PlanExecutor:
         dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
         buffer = torch.zeros(position + len(tensors) + 1, dtype=dtype, device=device)  # + flags
         views = [buffer[position:position + length] for _, _, length, position in slices]
-        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views)
+        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, f"op{index}")
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
@@ -149,6 +151,19 @@ class PlanExecutor:
         return self.wires[name]
 
     def _launch(self, state: _OpState) -> None:
+        with record_function(f"gradsync::encode {state.label}"):
+            self._pack(state)
+        state.launched_at = time.perf_counter()
+        with record_function(f"gradsync::launch {state.label}"):
+            if self.codec.collective == "allgather":
+                state.gathered = [torch.empty_like(state.buffer) for _ in range(self.channels.world_size)]
+                state.work = dist.all_gather(state.gathered, state.buffer, group=self.channels.groups[state.channel],
+                                             async_op=True)
+            else:
+                state.work = self.channels.all_reduce(state.channel, state.buffer)
+
+    def _pack(self, state: _OpState) -> None:
+        """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
         buffer = state.buffer
         gathering = self.codec.collective == "allgather"
         for (name, offset, length, _), target in zip(state.slices, state.views):
@@ -164,13 +179,6 @@ class PlanExecutor:
         buffer[data_end:].copy_(torch.tensor(flags, dtype=buffer.dtype))
         if self.nonfinite != "ignore" and buffer.is_floating_point():
             buffer[-1:].copy_(~torch.isfinite(checksum(buffer[:data_end])))
-        state.launched_at = time.perf_counter()
-        if gathering:
-            state.gathered = [torch.empty_like(buffer) for _ in range(self.channels.world_size)]
-            state.work = dist.all_gather(state.gathered, buffer, group=self.channels.groups[state.channel],
-                                         async_op=True)
-        else:
-            state.work = self.channels.all_reduce(state.channel, buffer)
 
     # -- completion --------------------------------------------------------------------------------
     def wait(self, index: int) -> None:
@@ -180,7 +188,8 @@ class PlanExecutor:
             return
         if state.work is None:
             raise RuntimeError(f"op {index} was never launched: the backward pass has not ended")
-        state.work.wait()
+        with record_function(f"gradsync::wait {state.label}"):
+            state.work.wait()
         self.collected(index)
 
     def future(self, index: int) -> torch.futures.Future:
@@ -196,6 +205,14 @@ class PlanExecutor:
         if self.trace is not None:
             self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
                           state.buffer.numel() * state.buffer.element_size())
+        with record_function(f"gradsync::unpack {state.label}"):
+            floating = self._unpack(state)
+        if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
+            self._finish(check_decoded=self.nonfinite != "ignore" and not floating)
+
+    def _unpack(self, state: _OpState) -> bool:
+        """The reduced buffer's flags checked and its spans landed where the codec takes them;
+        whether its data is floating point (else the decoded gradients are checked)."""
         data_end = _data_end(state)
         if state.gathered is not None:
             data = torch.stack([b[:data_end] for b in state.gathered])
@@ -222,20 +239,20 @@ class PlanExecutor:
             self.ops_left[name] -= 1
             if self.ops_left[name] == 0 and used[name]:
                 self.finishable.append(name)
-        if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
-            self._finish(check_decoded=self.nonfinite != "ignore" and not data.is_floating_point())
+        return data.is_floating_point()
 
     def _finish(self, check_decoded: bool) -> None:
         """Let the codec write the gradients of the tensors whose ops are all done."""
         names, self.finishable = self.finishable, []
         started = time.perf_counter()
-        for name in names:
-            if self.skip_step:
-                break
-            self.codec.finish(name, self.parameters[name], self.step)
-            grad = self.parameters[name].grad
-            if check_decoded and not every_element_finite(grad):
-                self._non_finite([name])
+        with record_function("gradsync::decode"):
+            for name in names:
+                if self.skip_step:
+                    break
+                self.codec.finish(name, self.parameters[name], self.step)
+                grad = self.parameters[name].grad
+                if check_decoded and not every_element_finite(grad):
+                    self._non_finite([name])
         self.decode_seconds += time.perf_counter() - started
 
     def _non_finite(self, bad: list[str]) -> None:
