@@ -24,6 +24,8 @@ Power-SGD          Vogels, Karimireddy, Jaggi. PowerSGD: Practical Low-Rank Grad
 EF-SignSGD         Karimireddy, Rebjock, Stich, Jaggi. Error Feedback Fixes SignSGD and other
                    Gradient Compression Schemes. ICML 2019.
 Top-k SGD          Stich, Cordonnier, Jaggi. Sparsified SGD with Memory. NeurIPS 2018.
+Bagua              Gan et al. BAGUA: Scaling up Distributed Learning with System Relaxations.
+                   VLDB 2022 (its ByteGrad: 8-bit min-max quantisation).
 =================  ===========================================================================
 """
 from __future__ import annotations
@@ -70,6 +72,8 @@ PAPERS = {
                         "https://arxiv.org/abs/1901.09847"),
     "Top-k SGD": Paper("Sparsified SGD with Memory", "Sebastian U. Stich, Jean-Baptiste Cordonnier, Martin Jaggi",
                        "NeurIPS 2018", "https://arxiv.org/abs/1809.07599"),
+    "Bagua": Paper("BAGUA: Scaling up Distributed Learning with System Relaxations", "Shaoduo Gan et al.",
+                   "VLDB 2022", "https://arxiv.org/abs/2107.01499"),
 }
 
 

@@ -179,7 +179,8 @@ def test_bad_state_arguments_are_refused():
 
 
 GPU_COMPRESSORS = {"acp_sgd": {"type": "acp_sgd", "rank": 8, "min_compression_rate": 0}, "powersgd": "powersgd",
-                   "signsgd": "signsgd", "topk": {"type": "topk", "density": 0.1}}
+                   "signsgd": "signsgd", "topk": {"type": "topk", "density": 0.1}, "fp16": "fp16", "bf16": "bf16",
+                   "minmax8": "minmax8"}
 
 
 def hooks_on_cuda(rank, world_size):

@@ -19,6 +19,7 @@ from gradsync import ConfigError, compress, planners
 from gradsync.planning import plan_layouts, step_prediction
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.compress.signsgd import SignSGD
+from gradsync.compress.quantize import MinMax8Bit
 from gradsync.compress.topk import TopK, index_words, indices_from_words
 from gradsync.launch import run_local
 from gradsync.profile import LayerProfile, ModelProfile, TensorSpec
@@ -54,8 +55,8 @@ def specs_of(gradients):
     return {name: TensorSpec(name, g.numel(), g.element_size(), tuple(g.shape)) for name, g in gradients.items()}
 
 
-@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: SignSGD(), lambda: TopK(density=0.05)],
-                         ids=["powersgd", "signsgd", "topk"])
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: SignSGD(), lambda: TopK(density=0.05),
+                                  lambda: MinMax8Bit(chunk=64)], ids=["powersgd", "signsgd", "topk", "minmax8"])
 def test_error_feedback_conserves_the_gradient_sum(make):
     codec = make()
     shapes = {"w": (30, 20), "b": (30,)}
@@ -427,6 +428,46 @@ class TopKByHand:
         return p - self.sparse(p)
 
 
+class MinMaxByHand:
+    """(1/W)·Σ_r dequantised(p_r): each chunk of p at min + round((x − min)/s)·s, s = (max − min)/255."""
+
+    def __init__(self, chunk):
+        self.chunk = chunk
+
+    def dequantised(self, p):
+        out = torch.empty_like(p)
+        for start in range(0, p.numel(), self.chunk):
+            x = p[start:start + self.chunk]
+            low, scale = x.min(), (x.max() - x.min()) / 255
+            out[start:start + self.chunk] = low + (torch.round((x - low) / scale) * scale if scale > 0 else 0)
+        return out
+
+    def __call__(self, ps, numel):
+        return sum(self.dequantised(p) for p in ps) / 2
+
+    def error(self, p):
+        return p - self.dequantised(p)
+
+
+def parameter_gap_to_torch_hook(rank, compressor, hook, steps=30) -> float:
+    """Largest parameter difference, relative to the largest parameter, between `compressor`
+    under wrap and torch DDP with its communication hook `hook`, after `steps` steps."""
+    model = seeded_model()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    reference.register_comm_hook(None, hook)
+    model, optimizer = wrapped(compressor, model=model)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(steps):
+        for m, o in ((model, optimizer), (reference, reference_optimizer)):
+            o.zero_grad()
+            loss_of(m, rank, step).backward()
+            o.step()
+    optimizer.synchronize()
+    attached(model).detach()
+    ours, theirs = (torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in (model, reference))
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
 def powersgd_error_against_the_average(rank, steps=3) -> float:
     """Largest gap between the decoded gradient and (1/W)·Σ_r (M_r + E_r − E'_r): equal when each
     rank's error is taken against the aggregated approximation P̂·Q̄ᵀ (the torch hook's rule)."""
@@ -515,9 +556,39 @@ def topk_on_two_ranks(rank, world_size):
     }
 
 
+def minmax8_on_two_ranks(rank, world_size):
+    return {
+        "hand": decoded_against_hand_computed(rank, {"type": "minmax8", "chunk": 64}, MinMaxByHand(64)),
+        "bytes": wire_bytes_and_flags({"type": "minmax8", "chunk": 64}),
+        "resume": resume_gap(rank, {"type": "minmax8", "chunk": 64}),
+        "skip": [skipped_step_changes_nothing(rank, "minmax8", "conv")],
+    }
+
+
+def bfloat16_wire_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's bf16_compress_hook, which DDP accepts (by its name) only on CUDA with NCCL: the bucket
+    cast to bfloat16 and divided by the world size, all-reduced, cast back."""
+    compressed = bucket.buffer().to(torch.bfloat16).div_(dist.get_world_size())
+
+    def decompressed(future):
+        bucket.buffer().copy_(future.value()[0])
+        return bucket.buffer()
+
+    return dist.all_reduce(compressed, async_op=True).get_future().then(decompressed)
+
+
+def casts_on_two_ranks(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {"fp16_vs_torch": parameter_gap_to_torch_hook(rank, "fp16", default_hooks.fp16_compress_hook),
+            "bf16_vs_torch": parameter_gap_to_torch_hook(rank, "bf16", bfloat16_wire_hook),
+            "fp16_bytes": wire_bytes_and_flags("fp16"), "bf16_bytes": wire_bytes_and_flags("bf16")}
+
+
 def every_codec_on_two_ranks(rank, world_size):
     return {"powersgd": powersgd_on_two_ranks(rank, world_size), "signsgd": signsgd_on_two_ranks(rank, world_size),
-            "topk": topk_on_two_ranks(rank, world_size)}
+            "topk": topk_on_two_ranks(rank, world_size), "minmax8": minmax8_on_two_ranks(rank, world_size),
+            "casts": casts_on_two_ranks(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -539,6 +610,16 @@ def signsgd_runs(two_ranks):
 @pytest.fixture(scope="module")
 def topk_runs(two_ranks):
     return [run["topk"] for run in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def minmax8_runs(two_ranks):
+    return [run["minmax8"] for run in two_ranks]
+
+
+@pytest.fixture(scope="module")
+def cast_runs(two_ranks):
+    return [run["casts"] for run in two_ranks]
 
 
 def test_powersgd_at_full_rank_equals_uncompressed_averaging(powersgd_runs):
@@ -585,8 +666,28 @@ def test_bytes_on_the_wire_equal_the_formula(powersgd_runs, signsgd_runs, topk_r
     assert topk_bytes == 4 * (sum(2 * math.ceil(0.1 * n) for n in numel.values()) + topk_flags)
 
 
-def test_checkpoint_resume_continues_identically(powersgd_runs, signsgd_runs, topk_runs):
-    for runs in (powersgd_runs, signsgd_runs, topk_runs):
+def test_minmax8_decodes_the_mean_of_every_ranks_dequantised_chunks(minmax8_runs):
+    assert all(run["hand"] < 1e-6 for run in minmax8_runs)
+
+
+def test_minmax8_and_the_casts_send_their_formula_bytes(minmax8_runs, cast_runs):
+    numel = {name: math.prod(shape) for name, shape in parameter_shapes().items()}
+    total = sum(numel.values())
+    minmax_bytes, minmax_flags = minmax8_runs[0]["bytes"]["plain"]  # 1 byte each, 8 per chunk of 64, uint8 flags
+    assert minmax_bytes == sum(n + 8 * math.ceil(n / 64) for n in numel.values()) + minmax_flags
+    assert 0.25 < (minmax_bytes - minmax_flags) / (4 * total) < 0.3  # about a quarter of float32
+    for key in ("fp16_bytes", "bf16_bytes"):  # 2 bytes per element and per flag: half of float32
+        cast_bytes, cast_flags = cast_runs[0][key]["plain"]
+        assert cast_bytes == 2 * (total + cast_flags)
+
+
+def test_half_precision_wires_follow_torchs_compression_hooks_over_30_steps(cast_runs):
+    for run in cast_runs:
+        assert run["fp16_vs_torch"] < 1e-3 and run["bf16_vs_torch"] < 1e-3
+
+
+def test_checkpoint_resume_continues_identically(powersgd_runs, signsgd_runs, topk_runs, minmax8_runs):
+    for runs in (powersgd_runs, signsgd_runs, topk_runs, minmax8_runs):
         assert [run["resume"] for run in runs] == [0.0, 0.0]
     assert [run["resume_fresh_queries"] for run in powersgd_runs] == [0.0, 0.0]
 
@@ -602,6 +703,7 @@ def test_wire_profile_carries_the_codec_sizes():
         assert wire.backward_time > profile.backward_time and wire.forward_time > profile.forward_time
 
 
-def test_a_step_with_non_finite_gradients_is_skipped_on_every_rank(powersgd_runs, signsgd_runs, topk_runs):
-    for runs in (powersgd_runs, signsgd_runs, topk_runs):
+def test_a_step_with_non_finite_gradients_is_skipped_on_every_rank(powersgd_runs, signsgd_runs, topk_runs,
+                                                                   minmax8_runs):
+    for runs in (powersgd_runs, signsgd_runs, topk_runs, minmax8_runs):
         assert all(all(run["skip"]) for run in runs)

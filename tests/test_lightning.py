@@ -35,7 +35,7 @@ STEPS = 6
 # the built-in strategy names (the registries' entries, written out so that a change shows)
 SCHEDULERS = ("wfbp", "ddp_buckets", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte",
               "gradsync_auto")
-COMPRESSORS = ("acp_sgd", "powersgd", "signsgd", "topk")
+COMPRESSORS = ("acp_sgd", "powersgd", "signsgd", "topk", "fp16", "bf16", "minmax8")
 NAMES = (*SCHEDULERS, *COMPRESSORS, "forest")
 TOLERANCE = 1e-5
 CLIP = 0.05

@@ -21,7 +21,8 @@ GROUPS = ("strategy", "model", "data", "trainer", "cluster", "logger", "hparams_
 PLANNERS = {"wfbp": "wfbp", "ddp_buckets": "ddp", "mg_wfbp": "mg_wfbp", "optimal_merge": "optimal_merge",
             "asc_wfbp": "asc_wfbp", "bytescheduler": "bytescheduler", "us_byte": "us_byte", "gradsync_auto": "auto",
             "acp_sgd": "optimal_merge", "powersgd": "optimal_merge", "signsgd": "optimal_merge",
-            "topk": "optimal_merge", "forest": "auto"}
+            "topk": "optimal_merge", "fp16": "optimal_merge", "bf16": "optimal_merge", "minmax8": "optimal_merge",
+            "forest": "auto"}
 
 
 def options(group):

@@ -15,12 +15,13 @@ from .codec import Codec
 from .spec import CodecSpec
 from .wire import wire_profile
 
-# built-in codecs: modules defining SPEC
-BUILTIN_MODULES = ("codec", "acp_sgd", "powersgd", "signsgd", "topk")
+# built-in codecs: modules defining SPEC (or SPECS, a tuple of several)
+BUILTIN_MODULES = ("codec", "acp_sgd", "powersgd", "signsgd", "topk", "cast", "quantize")
 
 
 def _builtins() -> list[CodecSpec]:
-    return [import_module(f"{__name__}.{module}").SPEC for module in BUILTIN_MODULES]
+    modules = [import_module(f"{__name__}.{module}") for module in BUILTIN_MODULES]
+    return [spec for module in modules for spec in getattr(module, "SPECS", None) or (module.SPEC,)]
 
 
 registry: Registry[CodecSpec] = Registry("compressor", "gradsync.compressors", _builtins)
