@@ -24,6 +24,15 @@ class GatheredWithFeedback(Codec):
 
     collective = "allgather"
 
+    def __init__(self, error_feedback: bool = True):
+        """Args:
+            error_feedback: whether E carries what a step did not send into the next one.
+        """
+        if not isinstance(error_feedback, bool):
+            raise ConfigError(f"compressor {self.name!r}: 'error_feedback' must be true or false, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        self.per_rank_state = error_feedback
+
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
         refuse_non_float(self.name, specs)
         super().setup(specs, world_size, seed)

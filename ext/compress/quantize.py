@@ -31,11 +31,8 @@ class MinMax8Bit(GatheredWithFeedback):
     def __init__(self, chunk: int = 1024, error_feedback: bool = True):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ConfigError(f"compressor 'minmax8': 'chunk' must be an integer >= 1, got {chunk!r}")
-        if not isinstance(error_feedback, bool):
-            raise ConfigError(f"compressor 'minmax8': 'error_feedback' must be true or false, got {error_feedback!r}")
+        super().__init__(error_feedback)
         self.chunk = chunk
-        self.error_feedback = error_feedback
-        self.per_rank_state = error_feedback
 
     def _options(self) -> dict:
         return {"chunk": self.chunk, "error_feedback": self.error_feedback}

@@ -37,12 +37,10 @@ class SignSGD(GatheredWithFeedback):
     name = "signsgd"
 
     def __init__(self, error_feedback: bool = True, majority_vote: bool = False):
-        for field, value in (("error_feedback", error_feedback), ("majority_vote", majority_vote)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"compressor 'signsgd': {field!r} must be true or false, got {value!r}")
-        self.error_feedback = error_feedback
+        if not isinstance(majority_vote, bool):
+            raise ConfigError(f"compressor 'signsgd': 'majority_vote' must be true or false, got {majority_vote!r}")
+        super().__init__(error_feedback)
         self.majority_vote = majority_vote
-        self.per_rank_state = error_feedback
 
     def _options(self) -> dict:
         return {"error_feedback": self.error_feedback, "majority_vote": self.majority_vote}

@@ -44,11 +44,8 @@ class TopK(GatheredWithFeedback):
     def __init__(self, density: float = 0.01, error_feedback: bool = True):
         if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
             raise ConfigError(f"compressor 'topk': 'density' must be a number in (0, 1], got {density!r}")
-        if not isinstance(error_feedback, bool):
-            raise ConfigError(f"compressor 'topk': 'error_feedback' must be true or false, got {error_feedback!r}")
+        super().__init__(error_feedback)
         self.density = density
-        self.error_feedback = error_feedback
-        self.per_rank_state = error_feedback
 
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
         super().setup(specs, world_size, seed)  # refuses non-floating tensors first
