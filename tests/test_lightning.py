@@ -500,10 +500,26 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
 GPU_RUNS = ("acp_sgd", "us_byte", "ddp")
 
 
+def fit_with_comm_hook(compressor, root, **options) -> dict:
+    """Lightning's own DDPStrategy with gradsync's communication hook (Lightning registers hooks on
+    CUDA devices only): the final parameters and how many steps the hook synchronised."""
+    from gradsync.comm_hooks import CompressionState, compression_hook
+
+    pl.seed_everything(0, verbose=False)
+    model = Classifier()
+    state = CompressionState(model, compressor)
+    trainer = trainer_for(DDPStrategy(ddp_comm_state=state, ddp_comm_hook=compression_hook), root, **options)
+    trainer.fit(model, batches())
+    return {"params": flat(model), "hook_steps": state.step}
+
+
 def gpu_runs(directory: Path) -> None:
     """Run as a script on a CUDA machine: the registered names with `accelerator="gpu", devices=1`,
-    Lightning initialising the process group (NCCL) itself; each run's record as JSON."""
+    Lightning initialising the process group (NCCL) itself, and DDPStrategy with gradsync's
+    communication hook; each run's record as JSON."""
     runs = {name: fit(name, directory, accelerator="gpu", devices=1) for name in GPU_RUNS}
+    for compressor in ("identity", "acp_sgd"):
+        runs[f"comm_hook/{compressor}"] = fit_with_comm_hook(compressor, directory, accelerator="gpu", devices=1)
     (directory / "gpu_runs.json").write_text(json.dumps(runs))
 
 
@@ -519,6 +535,10 @@ def test_registered_names_train_on_one_gpu(tmp_path, record_property):
     assert [layout for layout, _ in acp["ops"]] == ["P", "Q"] * (STEPS // 2)  # Algorithm 2 alternates from P
     assert {f"gradsync/{name}" for name in STATS} <= set(acp["metrics"])
     assert distance(acp, initial()) > TOLERANCE and all(map(math.isfinite, acp["params"]))
+    hooked = runs["comm_hook/identity"], runs["comm_hook/acp_sgd"]
+    assert [run["hook_steps"] for run in hooked] == [STEPS, STEPS]  # the hook ran at every step
+    assert distance(hooked[0], runs["ddp"]) < TOLERANCE  # the identity hook is DDP's averaging
+    assert distance(hooked[1], initial()) > TOLERANCE and all(map(math.isfinite, hooked[1]["params"]))
 
 
 if __name__ == "__main__":
