@@ -528,6 +528,13 @@ def powersgd_on_two_ranks(rank, world_size):
                                                            "min_compression_rate": 0},
                                                     "ddp", bucket_cap_bytes=2**30, first_bucket_bytes=2**30),
         "bytes": wire_bytes_and_flags({"type": "powersgd", "rank": 4}),
+        "bytes_float16": wire_bytes_and_flags({"type": "powersgd", "rank": 4, "wire_dtype": "float16"}),
+        # every factor and whole tensor cast to float16 on the wire; exact otherwise (full rank)
+        "full_rank_float16": gradient_gap_to_ddp(rank, {"type": "powersgd", "rank": 16, "min_compression_rate": 0,
+                                                        "wire_dtype": "float16"}, "wfbp"),
+        "full_rank_bfloat16": gradient_gap_to_ddp(rank, {"type": "powersgd", "rank": 16, "min_compression_rate": 0,
+                                                         "wire_dtype": "bfloat16"}, "wfbp"),
+        "acp_bytes": [wire_bytes_and_flags({"type": "acp_sgd", "wire_dtype": wire}) for wire in (None, "bfloat16")],
         "resume": resume_gap(rank, {"type": "powersgd", "rank": 2}),
         # norm.weight travels uncompressed (round P only), conv.weight compressed
         "skip": [skipped_step_changes_nothing(rank, {"type": "powersgd", "rank": 2}, module)
@@ -627,6 +634,14 @@ def test_powersgd_at_full_rank_equals_uncompressed_averaging(powersgd_runs):
         assert run["full_rank_us_byte"] < 1e-5 and run["full_rank_one_bucket"] < 1e-5
 
 
+def test_low_rank_factors_cast_on_the_wire_stay_within_its_rounding(powersgd_runs):
+    for run in powersgd_runs:
+        assert 0 < run["full_rank_float16"] < 1e-3 and 0 < run["full_rank_bfloat16"] < 1e-2
+        as_gradients, in_bfloat16 = run["acp_bytes"]
+        assert set(as_gradients) == {"P", "Q"} and all(
+            in_bfloat16[layout] == (as_gradients[layout][0] // 2, as_gradients[layout][1]) for layout in as_gradients)
+
+
 def test_powersgd_error_is_taken_against_the_aggregated_approximation(powersgd_runs):
     assert all(run["error_identity"] < 1e-5 for run in powersgd_runs)
 
@@ -658,6 +673,8 @@ def test_bytes_on_the_wire_equal_the_formula(powersgd_runs, signsgd_runs, topk_r
     (p_bytes, p_flags), (q_bytes, q_flags) = (powersgd_runs[0]["bytes"][layout] for layout in ("P", "Q"))
     assert p_bytes == 4 * (sum(n * 4 for n, _ in compressed.values()) + sum(numel[n] for n in plain) + p_flags)
     assert q_bytes == 4 * (sum(m * 4 for _, m in compressed.values()) + len(plain) + q_flags)
+    for layout, fp32_bytes in (("P", p_bytes), ("Q", q_bytes)):  # wire_dtype float16: every element in 2 bytes
+        assert powersgd_runs[0]["bytes_float16"][layout] == (fp32_bytes // 2, (p_flags, q_flags)[layout == "Q"])
     # Sign-SGD: ceil(n / 8) + 4 bytes per tensor, uint8 flags (one per tensor per op, one per op)
     sign_bytes, sign_flags = signsgd_runs[0]["bytes"]["plain"]
     assert sign_bytes == sum(math.ceil(n / 8) + 4 for n in numel.values()) + sign_flags

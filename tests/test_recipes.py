@@ -166,7 +166,7 @@ def test_each_strategy_option_builds_its_lightning_strategy():
     chosen = composed("strategy.compressor.rank=2", "strategy.scheduler=wfbp")
     acp = app.build_strategy(OmegaConf.to_container(chosen, resolve=True))
     assert acp.compressor == {"type": "acp_sgd", "rank": 2, "min_compression_rate": 2.0, "start_iter": 0,
-                              "error_feedback": True, "reuse": True, "seed": None} and acp.scheduler == "wfbp"
+                              "error_feedback": True, "reuse": True, "seed": None, "wire_dtype": None} and acp.scheduler == "wfbp"
 
 
 @pytest.mark.parametrize("override", ["+strategy.compressor={type:acp_sgd,rank:2}",
@@ -187,7 +187,7 @@ def test_the_compressor_group_adds_any_compressor_with_its_defaults():
     schema.check(cfg)
     strategy = app.build_strategy(OmegaConf.to_container(cfg, resolve=True))
     assert strategy.compressor == {"type": "powersgd", "rank": 2, "min_compression_rate": 2.0, "start_iter": 0,
-                                   "error_feedback": True, "warm_start": True}
+                                   "error_feedback": True, "warm_start": True, "wire_dtype": None}
     assert strategy.scheduler == "us_byte"
 
 

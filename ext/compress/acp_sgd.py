@@ -19,8 +19,9 @@ from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
 from .gradients import all_finite, refuse_non_float
-from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, fused_update_available,
-                       keep_error, row_blocks, select_matrices, spare_buffer, subtract_low_rank, write_low_rank)
+from .low_rank import (WIRE_DTYPES, check_options, check_saved_state, check_wire_dtype, cpu_copies, error_buffer,
+                       fused_update_available, keep_error, on_the_wire, row_blocks, select_matrices, spare_buffer,
+                       subtract_low_rank, write_low_rank)
 from .orthogonalize import orthogonalize
 from .spec import CodecSpec
 
@@ -32,13 +33,16 @@ class ACPSGD(Codec):
     """Options: `rank` r (default 4), `min_compression_rate` (compress only when it pays by this
     factor), `start_iter` (uncompressed warm-up steps), `error_feedback` and `reuse` (ablations),
     `seed` for the initial factors (default: drawn by rank 0 and shared, so no user seeding is
-    needed)."""
+    needed), `wire_dtype` ("float16" or "bfloat16": what travels, cast, as under torch's
+    fp16_compress_wrapper; default the gradients' type)."""
 
     name = "acp_sgd"
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
-                 error_feedback: bool = True, reuse: bool = True, seed: int | None = None):
+                 error_feedback: bool = True, reuse: bool = True, seed: int | None = None, wire_dtype: str | None = None):
         check_options(self.name, rank, min_compression_rate, start_iter, error_feedback=error_feedback, reuse=reuse)
+        check_wire_dtype(self.name, wire_dtype)
+        self.wire_precision = wire_dtype
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
             raise ConfigError(f"compressor 'acp_sgd': 'seed' must be an integer from 0 to 2**63 - 1, got {seed!r}")
         self.fixed_seed = seed
@@ -92,10 +96,13 @@ class ACPSGD(Codec):
 
     def wire_spec(self, spec: TensorSpec, layout: str) -> TensorSpec:
         if layout == PLAIN or spec.name not in self.shapes:
-            return spec
+            return on_the_wire(spec, self.wire_precision)
         n, m, r = self.shapes[spec.name]
         rows = n if layout == P_STEP else m
-        return TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r))
+        return on_the_wire(TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r)), self.wire_precision)
+
+    def wire_dtype(self, layout: str, gradient_dtype: torch.dtype) -> torch.dtype:
+        return WIRE_DTYPES[self.wire_precision] if self.wire_precision else gradient_dtype
 
     def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
         """Encode: one (n × m)·(m × r) product on M + E, formed once, and with error feedback the
@@ -236,7 +243,7 @@ class ACPSGD(Codec):
         self.pending = {}
 
     def settings(self) -> dict:
-        return {**self._options(), "seed": self.fixed_seed}
+        return {**self._options(), "seed": self.fixed_seed, "wire_dtype": self.wire_precision}
 
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 from typing import Mapping
 
 import torch
@@ -14,6 +15,9 @@ from ..triton_kernels import error_feedback_update
 from ..triton_kernels.common import FLOAT_DTYPES, MAX_RANK
 
 BLOCK_BYTES = 1 << 20  # about one core's L2 cache
+# the `wire_dtype` option: the factors (and the tensors sent whole beside them) travel in this type,
+# as under torch's fp16_compress_wrapper; None keeps the gradients' type
+WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def check_options(codec: str, rank, min_compression_rate, start_iter, **switches) -> None:
@@ -39,6 +43,18 @@ def check_options(codec: str, rank, min_compression_rate, start_iter, **switches
     for field, value in switches.items():
         if not isinstance(value, bool):
             raise ConfigError(f"compressor {codec!r}: {field!r} must be true or false, got {value!r}")
+
+
+def check_wire_dtype(codec: str, wire_dtype) -> None:
+    """The `wire_dtype` option: None or a name of WIRE_DTYPES."""
+    if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+        raise ConfigError(f"compressor {codec!r}: 'wire_dtype' must be null or one of {sorted(WIRE_DTYPES)}, "
+                          f"got {wire_dtype!r}")
+
+
+def on_the_wire(spec: TensorSpec, wire_dtype: str | None) -> TensorSpec:
+    """`spec` with the element size of `wire_dtype` (as it is without one)."""
+    return spec if wire_dtype is None else replace(spec, bytes_per_element=WIRE_DTYPES[wire_dtype].itemsize)
 
 
 def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,

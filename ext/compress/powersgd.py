@@ -31,8 +31,8 @@ from ..profile import TensorSpec
 from .codec import Codec
 from .gradients import all_finite, refuse_non_float
 from .orthogonalize import orthogonalize
-from .low_rank import (check_options, check_saved_state, cpu_copies, error_buffer, select_matrices,
-                       subtract_low_rank, write_low_rank)
+from .low_rank import (WIRE_DTYPES, check_options, check_saved_state, check_wire_dtype, cpu_copies, error_buffer,
+                       on_the_wire, select_matrices, subtract_low_rank, write_low_rank)
 from .spec import CodecSpec
 
 PLAIN, P_ROUND, Q_ROUND = "plain", "P", "Q"
@@ -40,14 +40,18 @@ PLAIN, P_ROUND, Q_ROUND = "plain", "P", "Q"
 
 class PowerSGD(Codec):
     """Options: `rank` r (default 4), `min_compression_rate` (compress only when it pays by this
-    factor), `start_iter` (uncompressed warm-up steps), `error_feedback` and `warm_start`."""
+    factor), `start_iter` (uncompressed warm-up steps), `error_feedback`, `warm_start` and
+    `wire_dtype` ("float16" or "bfloat16": what travels, cast, as under torch's
+    fp16_compress_wrapper; default the gradients' type)."""
 
     name = "powersgd"
 
     def __init__(self, rank: int = 4, min_compression_rate: float = 2.0, start_iter: int = 0,
-                 error_feedback: bool = True, warm_start: bool = True):
+                 error_feedback: bool = True, warm_start: bool = True, wire_dtype: str | None = None):
         check_options(self.name, rank, min_compression_rate, start_iter, error_feedback=error_feedback,
                       warm_start=warm_start)
+        check_wire_dtype(self.name, wire_dtype)
+        self.wire_precision = wire_dtype
         self.rank = rank
         self.min_compression_rate = min_compression_rate
         self.start_iter = start_iter
@@ -82,12 +86,17 @@ class PowerSGD(Codec):
 
     def wire_spec(self, spec: TensorSpec, layout: str) -> TensorSpec:
         if layout == PLAIN or (layout == P_ROUND and spec.name not in self.shapes):
-            return spec
-        if spec.name not in self.shapes:  # round Q of an uncompressed tensor: its one marker element
-            return TensorSpec(spec.name, 1, spec.bytes_per_element, (1,))
-        n, m, r = self.shapes[spec.name]
-        rows = n if layout == P_ROUND else m
-        return TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r))
+            wire = spec
+        elif spec.name not in self.shapes:  # round Q of an uncompressed tensor: its one marker element
+            wire = TensorSpec(spec.name, 1, spec.bytes_per_element, (1,))
+        else:
+            n, m, r = self.shapes[spec.name]
+            rows = n if layout == P_ROUND else m
+            wire = TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r))
+        return on_the_wire(wire, self.wire_precision)
+
+    def wire_dtype(self, layout: str, gradient_dtype: torch.dtype) -> torch.dtype:
+        return WIRE_DTYPES[self.wire_precision] if self.wire_precision else gradient_dtype
 
     def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
         """Round P: encode (M + E)·Q (two n×m×r products with error feedback, one without) and
@@ -196,6 +205,9 @@ class PowerSGD(Codec):
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
         self.errors = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
         self._reset_step_state()
+
+    def settings(self) -> dict:
+        return {**self._options(), "wire_dtype": self.wire_precision}
 
     def _options(self) -> dict:
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate, "start_iter": self.start_iter,
