@@ -9,7 +9,9 @@ optimizer, so Lightning's optimizer step and checkpoints go through it. `teardow
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -99,10 +101,13 @@ class GradSyncOverrides:
         if len(self.optimizers) != 1:
             raise ConfigError(f"{type(self).__name__} needs exactly one optimizer from configure_optimizers, "
                               f"got {len(self.optimizers)}")
+        started = time.perf_counter()
         model, synced = wrap(self.lightning_module, self.optimizers[0], self.scheduler, self.compressor,
                              **self._wrap_options())
         self.runtime = attached(model)
         self.logged_iteration = -1
+        self.plan_announced = False
+        self._announce(f"attached in {time.perf_counter() - started:.1f} s")
         # gradients are local until gradsync's ops finish: when code between the backward pass and the
         # step may read them, the backward pass ends once they are averaged, as DDP's does (this gives
         # up overlapping forward-phase ops with the next forward)
@@ -164,7 +169,27 @@ class GradSyncOverrides:
         if report.latest is not None and report.latest.iteration > self.logged_iteration:
             self.logged_iteration = report.latest.iteration
             self._log_stats(report.latest, report.gradient_bytes)
+        if not self.plan_announced and not report.measuring:
+            self._announce(f"chosen after {report.iteration} iterations of measurement")
         return output
+
+    def _announce(self, when: str) -> None:
+        """One line on rank 0 to Lightning's console logger: `when`, then what runs: the plan of
+        each wire layout (its planner, ops and predicted iteration time), or that the measurement
+        runs first."""
+        report = self.runtime.report()
+        self.plan_announced = not report.measuring
+        if self.global_rank != 0:
+            return
+        if report.measuring:
+            what = "timing the layers, the network and the candidate plans before the plan is chosen"
+        else:
+            what = "; ".join(f"{layout}: {summary['chosen']} plan of {summary['ops']} op(s), "
+                             f"{summary['predicted_ms']:.1f} ms predicted"
+                             for layout, summary in ((layout, report.layouts[layout].summary())
+                                                     for layout in report.steady_layouts))
+        console_logger(type(self)).info(f"gradsync ({report.scheduler}, compressor {report.compressor}): {when}; "
+                                        f"{what}")
 
     def _log_stats(self, stats, gradient_bytes: int) -> None:
         """Log an iteration's measured time, non-overlapped communication (comm_wait), the codec's
@@ -218,6 +243,12 @@ class GradSyncOverrides:
         add(FOREST)
         planners.registry.subscribe(lambda spec: add(planner_entry(spec)))
         compress.registry.subscribe(lambda spec: add(codec_entry(spec)))
+
+
+def console_logger(strategy_class: type) -> logging.Logger:
+    """A child of the logger that the Lightning package of `strategy_class` prints at INFO."""
+    base = next(cls for cls in strategy_class.__mro__ if cls.__name__ == "DDPStrategy")
+    return logging.getLogger(base.__module__.rsplit(".strategies", 1)[0] + ".gradsync")
 
 
 def check_lightning_options(options: dict) -> None:

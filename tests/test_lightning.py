@@ -484,6 +484,10 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
     done = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
+    announced = [line for line in done.stderr.splitlines() if line.startswith("gradsync (optimal_merge, compressor acp_sgd)")]
+    assert len(announced) == 2, done.stderr[-3000:]  # rank 0 alone, at the attach and once the plan is chosen
+    assert "attached in" in announced[0] and "timing the layers" in announced[0]
+    assert "chosen after" in announced[1] and "P: optimal_merge plan of" in announced[1] and "Q: " in announced[1]
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("gradsync/bytes_sent")]
     assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
