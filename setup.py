@@ -34,7 +34,9 @@ setup(
         # DeepSpeed builds from source: install it after torch with --no-build-isolation
         "deepspeed": ["deepspeed>=0.16"],
         "optuna": ["hydra-optuna-sweeper==1.3.0"],
-        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "deepspeed>=0.16", "hydra-optuna-sweeper==1.3.0"],
+        "cli": ["jsonargparse[signatures]>=4.27.7"],  # Lightning's LightningCLI
+        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "deepspeed>=0.16", "hydra-optuna-sweeper==1.3.0",
+                "jsonargparse[signatures]>=4.27.7"],
     },
     entry_points={"console_scripts": ["gradsync=gradsync.cli:main", "gradsync-train=gradsync.recipes.app:main"]},
 )

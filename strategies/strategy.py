@@ -54,7 +54,8 @@ class GradSyncOverrides:
     """The DDPStrategy methods that assumed a DistributedDataParallel wrapper, rewritten for
     gradsync's hooks; mixed into the DDPStrategy of each installed Lightning package."""
 
-    def __init__(self, scheduler: str = "auto", compressor=None, progress_bar: bool = False, **options):
+    def __init__(self, scheduler: str = "auto", compressor=None, progress_bar: bool = False,
+                 options: dict | None = None, **keywords):
         """The strategy, every argument checked before any rank starts.
 
         Args:
@@ -62,11 +63,19 @@ class GradSyncOverrides:
             compressor: None, a name, a ``{"type": name, ...}`` dict or a Codec.
             progress_bar: show gradsync's per-step statistics on the progress bar too (they go to
                 every logger either way).
-            options: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``); the rest go to
+            options: the keywords below as one mapping, for configs that name only declared
+                arguments (LightningCLI's YAML: ``init_args: {options: {partition_bytes: 4096}}``).
+            keywords: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``); the rest go to
                 ``gradsync.wrap`` (channels, profile, cost, timeout, nonfinite, scheduler options,
                 ...). A given `timeout` (seconds) is also Lightning's process group timeout.
                 DistributedDataParallel's options are refused, each with what to use instead.
         """
+        if options is not None and not isinstance(options, dict):
+            raise ConfigError(f"'options' must be a mapping of option names to values, got {type(options).__name__}")
+        twice = sorted(set(options or {}) & set(keywords))
+        if twice:
+            raise ConfigError(f"{twice} given both in 'options' and as keywords: give each once")
+        options = {**(options or {}), **keywords}
         for name in options:
             if name in DDP_ONLY_OPTIONS:
                 raise ConfigError(f"{type(self).__name__} replaces DistributedDataParallel and takes no {name!r}: "

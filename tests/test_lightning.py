@@ -501,6 +501,47 @@ def test_registered_name_logs_gradsync_stats_to_csv(tmp_path):
         assert 0 < float(row["gradsync/codec_time"]) < float(row["gradsync/iteration_time"])
 
 
+CLI_CONFIG = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_steps: 4
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  strategy:
+    class_path: gradsync.strategies.GradSyncStrategy
+    init_args:
+      scheduler: us_byte
+      compressor: {type: acp_sgd, rank: 2}
+      options: {partition_bytes: 4096}
+"""
+
+
+def test_lightning_cli_takes_the_strategy_by_class_path_from_yaml(tmp_path):
+    """LightningCLI in a script that does not import gradsync: jsonargparse imports the class named
+    in the YAML, and its init_args reach the strategy (planner options through `options`)."""
+    (tmp_path / "config.yaml").write_text(CLI_CONFIG)
+    job = Path(__file__).with_name("lightning_cli_job.py")
+    assert "gradsync" not in job.read_text().split('"""')[2]  # the script's code never names it
+    done = subprocess.run([sys.executable, str(job), "config.yaml", "ran.json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = json.loads((tmp_path / "ran.json").read_text())
+    assert ran["strategy"] == "gradsync.strategies.GradSyncStrategy" and ran["iterations"] == 4
+    assert ran["scheduler"] == "us_byte {'partition_bytes': 4096}" and ran["compressor"] == "acp_sgd"
+    assert ran["codec"]["rank"] == 2
+
+
+def test_options_as_a_mapping_and_as_keywords_are_one_set():
+    assert GradSyncStrategy("us_byte", options={"partition_bytes": 4096}).gradsync_options == {"partition_bytes": 4096}
+    with pytest.raises(ConfigError, match=r"\['partition_bytes'\] given both"):
+        GradSyncStrategy("us_byte", options={"partition_bytes": 4096}, partition_bytes=2048)
+    with pytest.raises(ConfigError, match="'options' must be a mapping"):
+        GradSyncStrategy("us_byte", options=[("partition_bytes", 4096)])
+
+
 GPU_RUNS = ("acp_sgd", "us_byte", "ddp")
 
 
