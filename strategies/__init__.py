@@ -7,7 +7,8 @@ powersgd, signsgd, topk; scheduled by optimal_merge) and per transport (forest: 
 reduce/broadcast trees packed on the topology), and one for every planner or compressor registered
 later, so that ``Trainer(strategy="acp_sgd", accelerator="cpu", devices=2)`` works. For other
 options, pass ``GradSyncStrategy(scheduler=..., compressor=..., **gradsync.wrap options)``.
-`strategy_entries()` lists the names.
+`strategy_entries()` lists the names. The same names are registered with Lightning Fabric
+(``Fabric(strategy="acp_sgd")``, `GradSyncFabricStrategy`).
 """
 from importlib.util import find_spec
 
@@ -31,6 +32,29 @@ if _importable("pytorch_lightning"):
 
     GradSyncStrategy.register_strategies(StrategyRegistry)
     __all__.append("GradSyncStrategy")
+
+if _importable("lightning_fabric"):
+    from lightning_fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDPStrategy
+
+    from .fabric import GradSyncFabricOverrides
+
+    class GradSyncFabricStrategy(GradSyncFabricOverrides, FabricDDPStrategy):
+        """`lightning_fabric` strategy: ``Fabric(strategy="acp_sgd")``, gradsync's synchronisation."""
+
+    GradSyncFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+    __all__.append("GradSyncFabricStrategy")
+
+if _importable("lightning.fabric"):
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as LIGHTNING_FABRIC_REGISTRY
+    from lightning.fabric.strategies import DDPStrategy as LightningFabricDDPStrategy
+
+    from .fabric import GradSyncFabricOverrides
+
+    class LightningGradSyncFabricStrategy(GradSyncFabricOverrides, LightningFabricDDPStrategy):
+        """The same Fabric strategy for the unified `lightning` package (``lightning.fabric``)."""
+
+    LightningGradSyncFabricStrategy.register_strategies(LIGHTNING_FABRIC_REGISTRY)
+    __all__.append("LightningGradSyncFabricStrategy")
 
 if _importable("lightning.pytorch"):
     from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy

@@ -50,19 +50,19 @@ DDP_ONLY_OPTIONS = {
 }
 
 
-class GradSyncOverrides:
-    """The DDPStrategy methods that assumed a DistributedDataParallel wrapper, rewritten for
-    gradsync's hooks; mixed into the DDPStrategy of each installed Lightning package."""
+class GradSyncArguments:
+    """What gradsync's Lightning and Fabric strategies share: their arguments, checked before any
+    rank starts, the runtime they attach, its teardown and the registration of their names."""
 
-    def __init__(self, scheduler: str = "auto", compressor=None, progress_bar: bool = False,
-                 options: dict | None = None, **keywords):
+    # the DDPStrategy's own arguments in this Lightning package; every other keyword goes to wrap
+    LIGHTNING_OPTIONS = LIGHTNING_OPTIONS
+
+    def __init__(self, scheduler: str = "auto", compressor=None, options: dict | None = None, **keywords):
         """The strategy, every argument checked before any rank starts.
 
         Args:
             scheduler: a gradsync scheduler name (``gradsync list``).
             compressor: None, a name, a ``{"type": name, ...}`` dict or a Codec.
-            progress_bar: show gradsync's per-step statistics on the progress bar too (they go to
-                every logger either way).
             options: the keywords below as one mapping, for configs that name only declared
                 arguments (LightningCLI's YAML: ``init_args: {options: {partition_bytes: 4096}}``).
             keywords: DDPStrategy's own (LIGHTNING_OPTIONS, e.g. ``start_method``); the rest go to
@@ -80,9 +80,7 @@ class GradSyncOverrides:
             if name in DDP_ONLY_OPTIONS:
                 raise ConfigError(f"{type(self).__name__} replaces DistributedDataParallel and takes no {name!r}: "
                                   f"{DDP_ONLY_OPTIONS[name]}")
-        if not isinstance(progress_bar, bool):
-            raise ConfigError(f"'progress_bar' must be true or false, got {progress_bar!r}")
-        lightning = {name: options.pop(name) for name in LIGHTNING_OPTIONS if name in options}
+        lightning = {name: options.pop(name) for name in self.LIGHTNING_OPTIONS if name in options}
         # bad values fail here, before any rank is launched
         check_lightning_options(lightning)
         arguments = check_wrap_arguments(scheduler=scheduler, compressor=compressor, **options)
@@ -92,8 +90,54 @@ class GradSyncOverrides:
         self.scheduler = scheduler
         self.compressor = compressor
         self.gradsync_options = options
+        self.runtime = None  # the GradSync attached to the model while fitting
+
+    @override
+    def teardown(self) -> None:
+        """Detach gradsync (apply pending updates, remove hooks, release its channel process
+        groups) while the process group still exists."""
+        if self.runtime is not None:
+            self.runtime.detach()
+            self.runtime = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Register with `cls` a strategy name for every planner and compressor registered now or
+        later (`strategy_entries`), and the forest transport; re-registering replaces."""
+
+        def add(entry) -> None:
+            if entry is None:
+                return
+            name, init_params, description = entry
+            taken = strategy_registry[name] if name in strategy_registry else None
+            if taken is not None and not issubclass(taken["strategy"], GradSyncArguments):
+                raise ConfigError(f"strategy name {name!r} is Lightning's own {taken['strategy'].__name__}: give the "
+                                  "planner another strategy name (PlannerSpec(strategy=...))")
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+        add(FOREST)
+        planners.registry.subscribe(lambda spec: add(planner_entry(spec)))
+        compress.registry.subscribe(lambda spec: add(codec_entry(spec)))
+
+
+class GradSyncOverrides(GradSyncArguments):
+    """The DDPStrategy methods that assumed a DistributedDataParallel wrapper, rewritten for
+    gradsync's hooks; mixed into the DDPStrategy of each installed Lightning package."""
+
+    def __init__(self, scheduler: str = "auto", compressor=None, progress_bar: bool = False,
+                 options: dict | None = None, **keywords):
+        """The strategy, every argument checked before any rank starts.
+
+        Args:
+            scheduler, compressor, options, keywords: as GradSyncArguments.
+            progress_bar: show gradsync's per-step statistics on the progress bar too (they go to
+                every logger either way).
+        """
+        if not isinstance(progress_bar, bool):
+            raise ConfigError(f"'progress_bar' must be true or false, got {progress_bar!r}")
+        super().__init__(scheduler, compressor, options, **keywords)
         self.progress_bar = progress_bar
-        self.runtime = None  # the GradSync attached to the LightningModule while fitting
         self.logged_iteration = -1  # the last iteration whose statistics were logged
 
     # -- no DistributedDataParallel --------------------------------------------------------------
@@ -223,35 +267,6 @@ class GradSyncOverrides:
         """The full state on every rank: Lightning dumps checkpoints on every rank (rank 0 writes),
         and the SyncedOptimizer's state_dict gathers every rank's error feedback, a collective."""
         return optimizer.state_dict()
-
-    # -- teardown ----------------------------------------------------------------------------------
-    def teardown(self) -> None:
-        """Detach gradsync (apply pending updates, remove hooks, release its channel process
-        groups) while the process group still exists."""
-        if self.runtime is not None:
-            self.runtime.detach()
-            self.runtime = None
-        super().teardown()
-
-    # -- registration ------------------------------------------------------------------------------
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        """Register with `cls` a strategy name for every planner and compressor registered now or
-        later (`strategy_entries`), and the forest transport; re-registering replaces."""
-
-        def add(entry) -> None:
-            if entry is None:
-                return
-            name, init_params, description = entry
-            taken = strategy_registry[name] if name in strategy_registry else None
-            if taken is not None and not issubclass(taken["strategy"], GradSyncOverrides):
-                raise ConfigError(f"strategy name {name!r} is Lightning's own {taken['strategy'].__name__}: give the "
-                                  "planner another strategy name (PlannerSpec(strategy=...))")
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
-
-        add(FOREST)
-        planners.registry.subscribe(lambda spec: add(planner_entry(spec)))
-        compress.registry.subscribe(lambda spec: add(codec_entry(spec)))
 
 
 def console_logger(strategy_class: type) -> logging.Logger:

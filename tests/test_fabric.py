@@ -1,0 +1,80 @@
+"""Lightning Fabric with gradsync's strategies: ``Fabric(strategy=<name>)`` on 2 gloo ranks, against
+Fabric's own DDP (with gradient accumulation through ``fabric.no_backward_sync``)."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning_fabric import Fabric
+
+import gradsync  # noqa: F401  (registers the strategy names)
+from gradsync import ConfigError
+from gradsync.launch import run_local
+from gradsync.strategies import GradSyncFabricStrategy
+
+STEPS = 8  # every other step accumulates: 4 optimizer steps
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def batch(rank: int, step: int):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(8, 32, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+
+
+def train(fabric: Fabric, rank: int) -> torch.Tensor:
+    """STEPS backward passes, every other one under no_backward_sync; the final parameters."""
+    module = model()
+    module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    for step in range(STEPS):
+        inputs, targets = batch(rank, step)
+        accumulating = step % 2 == 0
+        with fabric.no_backward_sync(module, enabled=accumulating):
+            fabric.backward(torch.nn.functional.cross_entropy(module(inputs), targets))
+        if not accumulating:
+            optimizer.step()
+            optimizer.zero_grad()
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def fabric_runs(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)  # processes created outside Fabric: it launches none
+    results = {}
+    for name in ("ddp", "wfbp", "acp_sgd", GradSyncFabricStrategy("us_byte", options={"partition_bytes": 256})):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=name)
+        fabric.launch()
+        params = train(fabric, rank)
+        gathered = [torch.empty_like(params) for _ in range(world_size)]
+        dist.all_gather(gathered, params)
+        label = name if isinstance(name, str) else "us_byte"
+        results[label] = {"params": params.tolist(), "same_on_ranks": all(torch.equal(gathered[0], g) for g in gathered),
+                          "strategy": type(fabric.strategy).__name__}
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="wfbp")
+    fabric.launch()
+    try:
+        fabric.setup(model())
+    except ConfigError as error:
+        results["model_alone"] = str(error)
+    return results
+
+
+def test_fabric_strategies_train_like_fabrics_ddp_with_accumulation():
+    for results in run_local(fabric_runs, 2):
+        reference = torch.tensor(results["ddp"]["params"])
+        for name in ("wfbp", "us_byte", "acp_sgd"):
+            assert results[name]["strategy"] == "GradSyncFabricStrategy" and results[name]["same_on_ranks"], name
+        for name in ("wfbp", "us_byte"):
+            assert (torch.tensor(results[name]["params"]) - reference).abs().max() < 1e-6, name
+        compressed = torch.tensor(results["acp_sgd"]["params"])
+        assert 0 < (compressed - reference).abs().max() < 0.1  # the 64 × 32 weight at rank 4: close, not equal
+        assert "fabric.setup(model, optimizer)" in results["model_alone"]
+
+
+def test_bad_fabric_strategy_arguments_are_refused_before_launch():
+    with pytest.raises(ConfigError, match="takes no 'find_unused_parameters'"):
+        GradSyncFabricStrategy("wfbp", find_unused_parameters=True)
+    with pytest.raises(ConfigError, match="unknown scheduler"):
+        GradSyncFabricStrategy("fastest")
