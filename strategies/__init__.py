@@ -33,6 +33,15 @@ if _importable("pytorch_lightning"):
     GradSyncStrategy.register_strategies(StrategyRegistry)
     __all__.append("GradSyncStrategy")
 
+    from pytorch_lightning import Callback
+
+    from .comm_hook import CompressionHookCallback
+
+    class CompressionHook(CompressionHookCallback, Callback):
+        """`pytorch_lightning` callback: gradsync's communication hook under Lightning's own DDP."""
+
+    __all__.append("CompressionHook")
+
 if _importable("lightning_fabric"):
     from lightning_fabric.strategies import STRATEGY_REGISTRY, DDPStrategy as FabricDDPStrategy
 
@@ -65,3 +74,12 @@ if _importable("lightning.pytorch"):
 
     LightningGradSyncStrategy.register_strategies(LightningStrategyRegistry)
     __all__.append("LightningGradSyncStrategy")
+
+    from lightning.pytorch import Callback as LightningCallback
+
+    from .comm_hook import CompressionHookCallback
+
+    class LightningCompressionHook(CompressionHookCallback, LightningCallback):
+        """The same callback for the unified `lightning` package (``lightning.pytorch``)."""
+
+    __all__.append("LightningCompressionHook")

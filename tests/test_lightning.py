@@ -234,6 +234,33 @@ def resume_runs(rank, root: Path) -> dict:
     return runs
 
 
+def fit_with_hook_callback(root, ckpt_path=None, callbacks=(), **options) -> dict:
+    """Lightning's own `ddp` with gradsync's communication hook registered by the CompressionHook
+    callback (on the CPU too), acp_sgd: the parameters and the steps the hook synchronised."""
+    from gradsync.comm_hooks import CompressionState
+    from gradsync.strategies import CompressionHook
+
+    pl.seed_everything(0, verbose=False)
+    model = Classifier()
+    state = CompressionState(model, {"type": "acp_sgd", "rank": 2})
+    trainer = trainer_for("ddp", root, callbacks=[CompressionHook(state), *callbacks], **options)
+    trainer.fit(model, batches(), ckpt_path=ckpt_path)
+    return {"params": flat(model), "hook_steps": state.step}
+
+
+def hook_resume_runs(root: Path) -> dict:
+    """The hook callback for two 3-step epochs straight, and one epoch + a checkpoint + a resumed
+    second (the hook's state, every rank's, in Lightning's checkpoint)."""
+    epoch = dict(limit_train_batches=3, max_steps=-1)
+    runs = {"straight": attempt(lambda: fit_with_hook_callback(root, max_epochs=2, **epoch))}
+    saver = ModelCheckpoint(dirpath=root / "hook_checkpoints", filename="resume", save_on_train_epoch_end=True)
+    runs["first_epoch"] = attempt(lambda: fit_with_hook_callback(root, callbacks=[saver], max_epochs=1,
+                                                                 enable_checkpointing=True, **epoch))
+    runs["resumed"] = attempt(lambda: fit_with_hook_callback(root, ckpt_path=root / "hook_checkpoints" / "resume.ckpt",
+                                                             max_epochs=2, **epoch))
+    return runs
+
+
 def all_runs(rank, world_size, root):
     """Every scenario on this rank, in one launch (Trainer start-up is cheap, process start-up is not)."""
     os.environ["LOCAL_RANK"] = str(rank)  # processes created outside Lightning: no re-launch
@@ -256,6 +283,7 @@ def all_runs(rank, world_size, root):
         results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(name, root))
         results[f"norms_after_backward/{name}"] = attempt(lambda: fit_recording_norms(name, root, NormsAfterBackward))
     results["resume"] = resume_runs(rank, shared)
+    results["hook_resume"] = hook_resume_runs(shared)
     return results
 
 
@@ -517,6 +545,14 @@ trainer:
       compressor: {type: acp_sgd, rank: 2}
       options: {partition_bytes: 4096}
 """
+
+
+def test_the_compression_hook_callback_runs_under_lightnings_ddp_and_resumes_exactly(ranks):
+    for run in ranks:
+        runs = run["hook_resume"]
+        assert [runs[key]["hook_steps"] for key in ("straight", "first_epoch", "resumed")] == [6, 3, 6], runs
+        assert distance(runs["resumed"], runs["straight"]) == 0.0
+    assert distance(ranks[0]["hook_resume"]["straight"], ranks[1]["hook_resume"]["straight"]) == 0.0
 
 
 def test_lightning_cli_takes_the_strategy_by_class_path_from_yaml(tmp_path):
