@@ -345,7 +345,7 @@ def test_gradsync_imports_without_lightning():
         "import sys\n"
         "class Hide:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('pytorch_lightning', 'lightning'):\n"
+        "        if name.split('.')[0] in ('pytorch_lightning', 'lightning', 'lightning_fabric'):\n"
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Hide())\n"
         "import gradsync.strategies\n"
