@@ -73,6 +73,28 @@ def matches_wrap(compressor: dict, align_factors: bool) -> float:
     return (flat(ddp.module) - flat(wrapped)).abs().max().item()
 
 
+def accumulated_beside_wrap(compressor) -> float:
+    """Largest parameter difference between the hook and wrap's wfbp after STEPS backward passes,
+    every other one accumulated locally (DDP's no_sync against gradsync.no_sync)."""
+    rank = dist.get_rank()
+    ddp, optimizer, _ = hooked(compressor)
+    wrapped = model()
+    wrapped, wrapped_optimizer = gradsync.wrap(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1),
+                                               scheduler="wfbp", compressor=compressor)
+    for network, stepper, no_sync in ((ddp, optimizer, ddp.no_sync), (wrapped, wrapped_optimizer,
+                                                                      lambda: gradsync.no_sync(wrapped))):
+        for step in range(STEPS):
+            inputs, targets = batch(rank, step)
+            if step % 2 == 0:
+                with no_sync():
+                    torch.nn.functional.mse_loss(network(inputs), targets).backward()
+                continue
+            torch.nn.functional.mse_loss(network(inputs), targets).backward()
+            stepper.step()
+            stepper.zero_grad()
+    return (flat(ddp.module) - flat(wrapped)).abs().max().item()
+
+
 def beside_wrap(rank, world_size):
     ddp, optimizer, _ = hooked(None)  # DDP's own buckets, several parameters each
     reference = DDP(model())
@@ -85,14 +107,16 @@ def beside_wrap(rank, world_size):
     return {"identity_vs_ddp": (flat(ddp.module) - flat(reference.module)).abs().max().item(),
             "acp_sgd": matches_wrap({"type": "acp_sgd", "rank": 2}, align_factors=True),
             "signsgd": matches_wrap({"type": "signsgd"}, align_factors=False),
+            "signsgd_accumulated": accumulated_beside_wrap({"type": "signsgd"}),
             "ranks_differ": (gathered[0] - gathered[1]).abs().max().item()}
 
 
 def test_hooks_compute_what_wrap_computes_and_the_identity_what_ddp_does():
+    """Also with gradients accumulated under no_sync every other backward pass."""
     for result in run_local(beside_wrap, 2):
         assert result["identity_vs_ddp"] <= 1e-6
         assert result["acp_sgd"] <= 1e-6
-        assert result["signsgd"] <= 1e-6
+        assert result["signsgd"] <= 1e-6 and result["signsgd_accumulated"] <= 1e-6
         assert result["ranks_differ"] == 0.0
 
 

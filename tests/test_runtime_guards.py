@@ -184,7 +184,7 @@ def wrap_with_rank_dependent(rank, world_size, settings):
     # codec options: a differing seed or reuse trains without error but the replicas drift apart
     ([{"compressor": {"type": "acp_sgd", "seed": 1}}, {"compressor": {"type": "acp_sgd", "seed": 2}}],
      "compressor options: rank 1 has {'rank': 4, 'min_compression_rate': 2.0, 'start_iter': 0, "
-     "'error_feedback': True, 'reuse': True, 'seed': 2}"),
+     "'error_feedback': True, 'reuse': True, 'seed': 2, 'wire_dtype': None}"),
     ([{"compressor": {"type": "acp_sgd", "reuse": False}}, {"compressor": "acp_sgd"}], "'compressor options'"),
     ([{"compressor": {"type": "topk", "density": 0.1}}, {"compressor": "topk"}], "'compressor options'"),
     # planner options
