@@ -8,8 +8,10 @@ it builds the data set and the model as a rank would, to check that they fit eac
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -166,6 +168,7 @@ def check(cfg: DictConfig, directions: Optional[List[str]] = None) -> None:
     """Raise ConfigError (naming the key and the valid choices) for any value the job would refuse;
     `directions`: those of the sweeper optimising the job's objectives (one per objective), if any.
     Builds the data set (rank 0's shard) and the model here, as a rank would."""
+    _check_known_keys(cfg, Config)
     _check_strategy(cfg.strategy, cfg.trainer.devices)
     _choice("model.name", cfg.model.name, models.MODELS)
     _choice("data.name", cfg.data.name, data.DATASETS)
@@ -179,6 +182,22 @@ def check(cfg: DictConfig, directions: Optional[List[str]] = None) -> None:
     _choice("logger.kind", cfg.logger.kind, LOGGERS)
     _check_objectives(list(cfg.objectives), directions)
     _check_model(cfg.model, cfg.data.name, _check_data(cfg))
+
+
+def _check_known_keys(cfg: DictConfig, schema: type, path: str = "") -> None:
+    """A key that no field of `schema` (a dataclass of this module) declares would be read by
+    nothing: Hydra's `+` adds any key, so `+trainer.num_nodes=2` would run a one-node job. The
+    free-form mappings (`options`, `strategy.compressor`) are checked by what reads them."""
+    fields = typing.get_type_hints(schema)
+    for key in cfg.keys():
+        if not path and key == "hydra":  # Hydra's own settings, where the config carries them
+            continue
+        if key not in fields:
+            where = f" of {path.rstrip('.')}" if path else ""
+            raise ConfigError(f"{path}{key}: gradsync-train reads no such key; the keys{where} are "
+                              f"{', '.join(sorted(fields))}")
+        if dataclasses.is_dataclass(fields[key]) and cfg[key] is not None:
+            _check_known_keys(cfg[key], fields[key], f"{path}{key}.")
 
 
 def _check_strategy(strategy: DictConfig, ranks: int) -> None:

@@ -191,6 +191,21 @@ def test_the_compressor_group_adds_any_compressor_with_its_defaults():
     assert strategy.scheduler == "us_byte"
 
 
+@pytest.mark.parametrize("override, key", [("+trainer.num_nodes=2", "trainer.num_nodes"), ("+foo=1", "foo"),
+                                           ("+cluster.gpus=2", "cluster.gpus")])
+def test_a_key_that_nothing_reads_is_refused_naming_it(override, key):
+    with pytest.raises(ConfigError, match=f"^{key}: gradsync-train reads no such key; the keys"):
+        schema.check(composed(override))
+
+
+def test_free_form_options_take_any_key_for_what_reads_them_to_check():
+    schema.check(composed("strategy=us_byte", "+strategy.options.partition_bytes=4000000"))
+    typo = composed("strategy=us_byte", "+strategy.options.partition_byte=4000000")
+    schema.check(typo)
+    with pytest.raises(ConfigError, match="unknown option.*partition_byte"):  # the strategy checks its options
+        app.build_strategy(OmegaConf.to_container(typo, resolve=True))
+
+
 def test_a_compressor_key_not_in_the_config_needs_hydras_plus():
     with pytest.raises(ConfigCompositionException, match=r"use \+strategy\.compressor\.type=acp_sgd"):
         composed("strategy=us_byte", "strategy.compressor.type=acp_sgd")
