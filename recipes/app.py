@@ -90,16 +90,23 @@ def run_rank(rank: int, world_size: int, job: dict, output_dir: str) -> dict:
         max_epochs=trainer_cfg["epochs"], max_steps=trainer_cfg["max_steps"], use_distributed_sampler=False,
         logger=logger, callbacks=[timer, epochs], log_every_n_steps=trainer_cfg["log_every_n_steps"],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=output_dir)
+        default_root_dir=output_dir, **trainer_cfg["options"])
     trainer.fit(module, datamodule=datamodule)
     if epochs.validated_step != trainer.global_step:  # max_steps ended the fit inside an epoch
         trainer.validate(module, datamodule=datamodule, verbose=False)
     result = {"strategy": job["strategy"]["name"], "model": job["model"]["name"], "data": job["data"]["name"],
               "ranks": world_size, "accuracy": epochs.accuracy,
+              # what the Trainer holds for each of trainer.options (those it exposes under their name)
+              "trainer_options": {name: _plain(getattr(trainer, name, None)) for name in trainer_cfg["options"]},
               "breakdown": timer.breakdown(trainer_cfg["batch_size"] * world_size)}
     if rank == 0:
         result.update(_finish_job(job, output, timer.runtime, logger, result["breakdown"]))
     return result
+
+
+def _plain(value):
+    """`value` if JSON can hold it, else its text."""
+    return value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
 
 
 def build_strategy(job: dict):

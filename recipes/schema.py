@@ -77,6 +77,8 @@ class TrainerConfig:
     seed: int = 0
     devices: int = II("cluster.devices")  # ranks on this node
     log_every_n_steps: int = 5
+    # any other pl.Trainer argument (precision, accumulate_grad_batches, gradient_clip_val, ...)
+    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -262,6 +264,30 @@ def _check_trainer(trainer: DictConfig) -> None:
         raise ConfigError(f"trainer.seed must be in 0..{MAX_SEED}, got {trainer.seed!r}")
     if not 0 <= trainer.momentum < 1:
         raise ConfigError(f"trainer.momentum must be in [0, 1), got {trainer.momentum!r}")
+    _check_trainer_options(dict(trainer.options))
+
+
+# pl.Trainer arguments the recipe sets itself (from its own keys, or fixed by how it runs a job)
+RECIPE_TRAINER_ARGUMENTS = ("accelerator", "devices", "num_nodes", "strategy", "max_epochs", "max_steps",
+                            "use_distributed_sampler", "logger", "callbacks", "log_every_n_steps", "default_root_dir",
+                            "enable_checkpointing", "enable_progress_bar", "enable_model_summary",
+                            "num_sanity_val_steps")
+
+
+def _check_trainer_options(options: dict) -> None:
+    """`trainer.options` holds pl.Trainer arguments the recipe does not set itself."""
+    import pytorch_lightning as pl
+
+    accepted = set(inspect.signature(pl.Trainer).parameters) - set(RECIPE_TRAINER_ARGUMENTS)
+    for name in options:
+        if name == "num_nodes":
+            raise ConfigError("trainer.options.num_nodes: gradsync-train starts every rank of a job on this node "
+                              "(trainer.devices ranks); it has no launcher for several nodes yet")
+        if name in RECIPE_TRAINER_ARGUMENTS:
+            raise ConfigError(f"trainer.options.{name}: the recipe sets this Trainer argument itself; use its own "
+                              "keys (trainer.epochs, trainer.max_steps, trainer.devices, cluster.*, logger.*)")
+        if name not in accepted:
+            raise unknown_name("Trainer argument in trainer.options", name, accepted)
 
 
 def _check_cluster(cluster: DictConfig, ranks: int) -> None:

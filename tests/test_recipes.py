@@ -346,6 +346,24 @@ def test_one_real_two_rank_job(tmp_path):
     assert {"train/loss", "test/accuracy", "gradsync/iteration_time", "gradsync/comm_wait"} <= set(metrics)
 
 
+def test_trainer_options_reach_lightnings_trainer(tmp_path, monkeypatch):
+    run_app(monkeypatch, "strategy=wfbp", "trainer=quick", "logger=none", "timeline=false",
+            "+trainer.options.accumulate_grad_batches=2", "+trainer.options.gradient_clip_val=0.5",
+            f"hydra.run.dir={tmp_path}")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["trainer_options"] == {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+trainer.options.num_nodes=2", "trainer.options.num_nodes: gradsync-train starts every rank of a job on this node"),
+    ("+trainer.options.max_epochs=3", "trainer.options.max_epochs: the recipe sets this Trainer argument itself"),
+    ("+trainer.options.precison=16", "unknown Trainer argument in trainer.options 'precison'; valid: .*precision"),
+])
+def test_trainer_options_the_recipe_cannot_honour_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        schema.check(composed(override))
+
+
 def test_a_two_job_sweep_writes_its_summary(tmp_path, monkeypatch):
     sweep = tmp_path / "sweep"
     run_app(monkeypatch, "-m", "strategy=ddp,acp_sgd", "trainer=quick", "logger=none", "timeline=false",
