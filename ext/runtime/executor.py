@@ -206,13 +206,12 @@ class PlanExecutor:
             self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
                           state.buffer.numel() * state.buffer.element_size())
         with record_function(f"gradsync::unpack {state.label}"):
-            floating = self._unpack(state)
+            self._unpack(state)
         if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
-            self._finish(check_decoded=self.nonfinite != "ignore" and not floating)
+            self._finish(check_decoded=self.nonfinite != "ignore" and not state.buffer.is_floating_point())
 
-    def _unpack(self, state: _OpState) -> bool:
-        """The reduced buffer's flags checked and its spans landed where the codec takes them;
-        whether its data is floating point (else the decoded gradients are checked)."""
+    def _unpack(self, state: _OpState) -> None:
+        """The reduced buffer's flags checked and its spans landed where the codec takes them."""
         data_end = _data_end(state)
         if state.gathered is not None:
             data = torch.stack([b[:data_end] for b in state.gathered])
@@ -239,7 +238,6 @@ class PlanExecutor:
             self.ops_left[name] -= 1
             if self.ops_left[name] == 0 and used[name]:
                 self.finishable.append(name)
-        return data.is_floating_point()
 
     def _finish(self, check_decoded: bool) -> None:
         """Let the codec write the gradients of the tensors whose ops are all done."""
