@@ -1,10 +1,11 @@
-"""Run a function on N local ranks in fresh processes (gloo on CPU) and collect what each returns.
+"""Run a function on N local ranks in fresh processes (gloo on CPU) and collect what each returns;
+or find this process's place among ranks another launcher started (torchrun, submitit).
 
-Used by the benchmarks and tests; each call initialises and destroys its own process group, so
-calls can follow one another in one program (e.g. the jobs of a sweep). Ranks are forked from a
-server process that has imported gradsync (and so torch) once, and that has run nothing: a rank
-starts in milliseconds instead of re-importing for seconds. Each rank takes the caller's
-environment as it is at the call.
+`run_local` is used by the benchmarks, tests and recipes; each call initialises and destroys its own
+process group, so calls can follow one another in one program (e.g. the jobs of a sweep). Ranks are
+forked from a server process that has imported gradsync (and so torch) once, and that has run
+nothing: a rank starts in milliseconds instead of re-importing for seconds. Each rank takes the
+caller's environment as it is at the call.
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ import socket
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .errors import ConfigError
 
 
 POLL_SECONDS = 0.5  # how often a waiting parent looks for ranks that died without a word
@@ -135,3 +139,43 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
     if failures:
         raise RankFailed("\n".join(failures))
     return [results[r][1] for r in range(world_size)]
+
+
+@dataclass(frozen=True)
+class ExternalRank:
+    """This process's place among the ranks a launcher started."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # among the ranks of its node
+    node_rank: int
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def external_rank() -> ExternalRank:
+    """This process's place when torchrun (or any launcher that sets torch's env:// variables:
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; the node from GROUP_RANK or NODE_RANK)
+    or submitit (SLURM or local tasks, its job environment exported as those variables) started it.
+    ``dist.init_process_group(backend)`` then meets the other ranks.
+
+    Raises:
+        ConfigError: when no launcher set them (a plain ``python`` run), naming what is missing.
+    """
+    if "RANK" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        place = submitit.JobEnvironment()
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        os.environ["NODE_RANK"] = str(place.node)
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ConfigError(f"this process was not started by torchrun or submitit: {', '.join(missing)} unset; "
+                          "start every rank with torchrun (or SLURM through submitit), or let gradsync start "
+                          "them on this node")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    node_rank = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK"))
+    if node_rank is None:  # every node holds LOCAL_WORLD_SIZE ranks
+        node_rank = int(os.environ["RANK"]) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return ExternalRank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, int(node_rank))

@@ -1,16 +1,23 @@
-"""`gradsync-train`: Hydra recipes that train a small model on local ranks with a Lightning strategy.
+"""`gradsync-train`: Hydra recipes that train a small model with a Lightning strategy.
 
     gradsync-train                                    # acp_sgd, cnn on digits, 2 CPU ranks, offline W&B
     gradsync-train strategy=us_byte model=cnn data=digits trainer.devices=2
     gradsync-train -m strategy=ddp,mg_wfbp,asc_wfbp,us_byte,acp_sgd   # a sweep, summarised at the end
 
-How ranks are launched: every Hydra job launches its own ranks with gradsync.launch.run_local
-(fresh spawned processes, process group initialised, destroyed when they exit). Each rank sets
-LOCAL_RANK and builds a Trainer with devices = world size: Lightning's LightningEnvironment then
-reports the processes as created externally (its launcher starts no children), the strategy
-takes global rank = LOCAL_RANK, and Lightning reuses the process group it finds initialised.
-Nothing of a job (process group, rank variables, W&B run) survives into the next job of a sweep,
-which Lightning's own launcher could not ensure: it re-runs sys.argv, i.e. a whole new sweep.
+The Trainer, the strategy, the Lightning module and the data module are built from the config
+with Hydra's instantiate (each group's ``_target_``), so any of their arguments can be set.
+
+How ranks are launched (``cluster.launcher``):
+- ``local`` (the default): every Hydra job launches its own ranks with gradsync.launch.run_local
+  (fresh spawned processes, process group initialised, destroyed when they exit). Each rank sets
+  LOCAL_RANK and builds a Trainer with devices = world size: Lightning's LightningEnvironment then
+  reports the processes as created externally (its launcher starts no children), the strategy
+  takes global rank = LOCAL_RANK, and Lightning reuses the process group it finds initialised.
+  Nothing of a job (process group, rank variables, W&B run) survives into the next job of a sweep,
+  which Lightning's own launcher could not ensure: it re-runs sys.argv, i.e. a whole new sweep.
+- ``external``: torchrun, or SLURM (or local tasks) through submitit, started every rank, on one or
+  more nodes; each process runs the job as its rank (gradsync.launch.external_rank), and rank 0
+  writes the job's files.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import logging
 import os
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -27,15 +35,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
-from ..launch import RankFailed, run_local
+from ..launch import RankFailed, external_rank, run_local
 from . import schema, wandb_logging
 
 
 def train(cfg: DictConfig, output_dir: Path, overrides: tuple[str, ...] = (), directions: list | None = None) -> dict:
     """Check `cfg` (with the `directions` of the sweeper optimising its objectives, if any), run the
-    job on `cfg.trainer.devices` local ranks, write `result.json` in `output_dir` (with the job's
-    command-line `overrides`, which label it in a sweep summary), print the report and return rank
-    0's result.
+    job on its ranks, and on rank 0 write `result.json` in `output_dir` (with the job's command-line
+    `overrides`, which label it in a sweep summary) and print the report. Returns this process's
+    result: rank 0's when the recipe starts the ranks, this rank's when a launcher started them.
 
     Args:
         cfg: the composed job config (the structure of gradsync.recipes.schema.Config).
@@ -46,61 +54,88 @@ def train(cfg: DictConfig, output_dir: Path, overrides: tuple[str, ...] = (), di
             one per objective of ``cfg.objectives``; None when the sweeper does not optimise.
 
     Raises:
-        ConfigError: for a bad config; RankFailed or TimeoutError when a rank fails or does not
-            report within ``cfg.cluster.timeout`` seconds.
+        ConfigError: for a bad config, or ranks a launcher started that do not match it; RankFailed or
+            TimeoutError when a rank fails or does not report within ``cfg.cluster.timeout`` seconds.
     """
     schema.check(cfg, directions)
     job = OmegaConf.to_container(cfg, resolve=True)
     build_strategy(job)  # the strategy checks its own arguments here, before any rank starts
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = run_local(run_rank, cfg.trainer.devices, job, str(output_dir), backend=cfg.cluster.backend,
-                        threads=cfg.cluster.threads, timeout=cfg.cluster.timeout)
-    result = {**results[0], "overrides": list(overrides)}
-    (output_dir / "result.json").write_text(json.dumps(result, indent=1))
-    print(report(result))
+    cluster = cfg.cluster
+    if cluster.launcher == "local":
+        results = run_local(run_rank, cfg.trainer.devices, job, str(output_dir), backend=cluster.backend,
+                            threads=cluster.threads, timeout=cluster.timeout)
+        rank, result = 0, results[0]
+    else:
+        rank, result = _run_external(job, output_dir)
+    result = {**result, "overrides": list(overrides)}
+    if rank == 0:
+        (output_dir / "result.json").write_text(json.dumps(result, indent=1))
+        print(report(result))
     return result
 
 
-def run_rank(rank: int, world_size: int, job: dict, output_dir: str) -> dict:
-    """One rank of a job (runs in a process of gradsync.launch.run_local): fit, then on rank 0
-    write the timeline and finish the W&B run. Returns plain values only.
+def _run_external(job: dict, output_dir: Path) -> tuple[int, dict]:
+    """This process as the rank a launcher started: (its rank, its result)."""
+    import torch
+    import torch.distributed as dist
+
+    place = external_rank()
+    trainer, cluster = job["trainer"], job["cluster"]
+    expected = trainer["devices"] * trainer["num_nodes"]
+    if place.world_size != expected:
+        raise ConfigError(f"trainer.devices x trainer.num_nodes: {trainer['devices']} x {trainer['num_nodes']} = "
+                          f"{expected} ranks, but the launcher started {place.world_size}")
+    torch.set_num_threads(cluster["threads"])
+    dist.init_process_group(cluster["backend"], rank=place.rank, world_size=place.world_size,
+                            timeout=timedelta(seconds=cluster["timeout"]))
+    try:
+        return place.rank, run_rank(place.rank, place.world_size, job, str(output_dir), place.local_rank,
+                                    place.node_rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(rank: int, world_size: int, job: dict, output_dir: str, local_rank: int | None = None,
+             node_rank: int = 0) -> dict:
+    """One rank of a job, inside an initialised process group: fit, then on rank 0 write the
+    timeline and finish the W&B run. Returns plain values only.
 
     Args:
-        rank, world_size: this rank and the number of ranks, as run_local passes them.
+        rank, world_size: this rank and the number of ranks (run_local passes them).
         job: the resolved job config, as plain dicts and lists (``OmegaConf.to_container``).
         output_dir: the job's directory, as a string.
+        local_rank, node_rank: this rank's place on its node and its node's (the rank itself and 0
+            when the recipe starts the ranks on one node).
     """
     import pytorch_lightning as pl
     from pytorch_lightning.utilities import rank_zero_only
 
-    from .lightning_module import Classifier, EpochReport, IterationTimer, ShardedData
+    from .lightning_module import EpochReport, IterationTimer
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    os.environ.update(LOCAL_RANK=str(rank if local_rank is None else local_rank), NODE_RANK=str(node_rank))
     rank_zero_only.rank = rank  # read from the environment at import, before it was set
     _quiet_lightning()
-    trainer_cfg, output = job["trainer"], Path(output_dir)
-    pl.seed_everything(trainer_cfg["seed"], verbose=False)
-    datamodule = ShardedData(job["data"]["name"], rank, world_size, trainer_cfg["batch_size"], trainer_cfg["seed"],
-                             job["data"]["options"])
-    module = Classifier(job["model"]["name"], job["model"]["options"], trainer_cfg["lr"], trainer_cfg["momentum"])
+    labels, output = schema.job_labels(job), Path(output_dir)
+    pl.seed_everything(job["seed"], verbose=False)
+    datamodule = schema.instantiate(job["data"], "data", rank=rank, world_size=world_size, seed=job["seed"])
+    module = schema.instantiate(job["model"], "model")
     timer, epochs = IterationTimer(_runtime_of), EpochReport()
-    logger = wandb_logging.make_logger(job["logger"], output, job["strategy"]["name"], job)  # acts on rank 0 only
-    trainer = pl.Trainer(
-        accelerator=job["cluster"]["accelerator"], devices=world_size, num_nodes=1, strategy=build_strategy(job),
-        max_epochs=trainer_cfg["epochs"], max_steps=trainer_cfg["max_steps"], use_distributed_sampler=False,
-        logger=logger, callbacks=[timer, epochs], log_every_n_steps=trainer_cfg["log_every_n_steps"],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=output_dir, **trainer_cfg["options"])
+    logger = wandb_logging.make_logger(job["logger"], output, labels["strategy"], job)  # acts on rank 0 only
+    trainer = schema.instantiate(job["trainer"], "trainer", accelerator=job["cluster"]["accelerator"],
+                                 strategy=build_strategy(job), logger=logger, callbacks=[timer, epochs],
+                                 use_distributed_sampler=False, default_root_dir=output_dir)
     trainer.fit(module, datamodule=datamodule)
     if epochs.validated_step != trainer.global_step:  # max_steps ended the fit inside an epoch
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    result = {"strategy": job["strategy"]["name"], "model": job["model"]["name"], "data": job["data"]["name"],
-              "ranks": world_size, "accuracy": epochs.accuracy,
-              # what the Trainer holds for each of trainer.options (those it exposes under their name)
-              "trainer_options": {name: _plain(getattr(trainer, name, None)) for name in trainer_cfg["options"]},
-              "breakdown": timer.breakdown(trainer_cfg["batch_size"] * world_size)}
+    samples_per_step = job["data"]["batch_size"] * world_size
+    result = {**labels, "ranks": world_size, "rank": rank, "accuracy": epochs.accuracy,
+              # what the Trainer holds for each of its arguments in the config (those it exposes by name)
+              "trainer_arguments": {name: _plain(getattr(trainer, name)) for name in job["trainer"]
+                                    if not name.startswith("_") and hasattr(trainer, name)},
+              "breakdown": timer.breakdown(samples_per_step)}
     if rank == 0:
-        result.update(_finish_job(job, output, timer.runtime, logger, result["breakdown"]))
+        result.update(_finish_job(job, labels, output, timer.runtime, logger, result["breakdown"]))
     return result
 
 
@@ -110,17 +145,9 @@ def _plain(value):
 
 
 def build_strategy(job: dict):
-    """The Lightning strategy of `job["strategy"]`: Lightning's DDP for ``ddp``, else the registered
-    gradsync strategy with the config's scheduler, compressor and options over its own."""
-    from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-
-    strategy, backend = job["strategy"], job["cluster"]["backend"]
-    if strategy["name"] == "ddp":
-        return DDPStrategy(process_group_backend=backend)
-    entry = StrategyRegistry[strategy["name"]]
-    chosen = {key: strategy[key] for key in ("scheduler", "compressor") if strategy[key] is not None}
-    return entry["strategy"](**{**entry["init_params"], **chosen, **strategy["options"],
-                                "process_group_backend": backend})  # schema.check refuses it in options
+    """The Lightning strategy of `job["strategy"]` (its ``_target_`` with its arguments), on the
+    process-group backend of ``job["cluster"]``."""
+    return schema.instantiate(job["strategy"], "strategy", process_group_backend=job["cluster"]["backend"])
 
 
 def _runtime_of(trainer):
@@ -128,7 +155,7 @@ def _runtime_of(trainer):
     return getattr(trainer.strategy, "runtime", None)
 
 
-def _finish_job(job: dict, output: Path, runtime, logger, breakdown: dict) -> dict:
+def _finish_job(job: dict, labels: dict, output: Path, runtime, logger, breakdown: dict) -> dict:
     """Rank 0: the plan's summary and timeline PNG, the W&B additions, and the run closed."""
     extra = {"timeline": None, "wandb_run": None, "plans": None}
     rows = timeline_png = None
@@ -138,7 +165,7 @@ def _finish_job(job: dict, output: Path, runtime, logger, breakdown: dict) -> di
                           for layout, entry in report.layouts.items()}
         rows = wandb_logging.plan_rows(report)
         if job["timeline"]:
-            timeline_png = _plot(job, output, report)
+            timeline_png = _plot(labels, output, report)
             extra["timeline"] = str(timeline_png)
     if job["logger"]["kind"] == "wandb":
         wandb_logging.log_job(logger, breakdown, rows, timeline_png)
@@ -147,13 +174,13 @@ def _finish_job(job: dict, output: Path, runtime, logger, breakdown: dict) -> di
     return extra
 
 
-def _plot(job: dict, output: Path, report) -> Path:
+def _plot(labels: dict, output: Path, report) -> Path:
     """The timeline of the first layout a steady step sends (ACP-SGD: the P step)."""
     from ..timeline_plot import plot_timeline
 
     steady = report.steady
     label = "" if steady.layout == "plain" else f", {steady.layout} layout"
-    title = f"{job['model']['name']} on {job['data']['name']}: {job['strategy']['name']} ({steady.plan.planner}{label})"
+    title = f"{labels['model']} on {labels['data']}: {labels['strategy']} ({steady.plan.planner}{label})"
     return plot_timeline(steady.timeline, output / "timeline.png", title)
 
 

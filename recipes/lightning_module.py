@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import pytorch_lightning as pl
 import torch
@@ -14,16 +15,24 @@ import torch.nn.functional as F
 from pytorch_lightning.trainer.states import TrainerFn
 from typing_extensions import override
 
-from . import data, models
+from ..errors import ConfigError
+from . import data
 
 
 class Classifier(pl.LightningModule):
-    """One of gradsync.recipes.models trained with SGD + momentum on cross-entropy."""
+    """A classifier network trained with SGD + momentum on cross-entropy.
 
-    def __init__(self, architecture: str, architecture_options: dict, lr: float, momentum: float):
+    Args:
+        network: the module mapping a batch of samples to class scores (the recipes build one of
+            gradsync.recipes.models).
+        lr: SGD's learning rate.
+        momentum: SGD's momentum.
+    """
+
+    def __init__(self, network: torch.nn.Module, lr: float = 0.05, momentum: float = 0.9):
         super().__init__()
-        self.save_hyperparameters()  # logged beside the job config: names unlike its sections, so none is overwritten
-        self.network = models.build(architecture, **architecture_options)
+        self.save_hyperparameters(ignore=["network"])  # the network is in the job config and the checkpoint
+        self.network = network
         self.correct = self.seen = 0
 
     def forward(self, inputs):
@@ -52,11 +61,32 @@ class Classifier(pl.LightningModule):
 
 
 class ShardedData(pl.LightningDataModule):
-    """A gradsync.recipes.data set: this rank's training shard and the whole test set."""
+    """A data set of gradsync.recipes.data: this rank's training shard and the whole test set,
+    checked against what the config says it gives (the model's options are read from that). Its
+    errors name the recipe's keys (``data.classes``, ``data.dataset``).
 
-    def __init__(self, name: str, rank: int, world_size: int, batch_size: int, seed: int, options: dict):
+    Args:
+        dataset: one of gradsync.recipes.data's loaders with its options bound (a partial); the
+            data module passes it the rank's place and the batch size.
+        batch_size: training samples per batch on each rank.
+        classes, features, vocab: what the data set gives (classes, values per sample, the token
+            bound of token data, else None); a value the data set does not have raises ConfigError.
+        rank, world_size: this rank and the number of ranks.
+        seed: shuffles this rank's shard.
+    """
+
+    def __init__(self, dataset: Callable[..., data.Split], batch_size: int, classes: int, features: int,
+                 vocab: int | None = None, rank: int = 0, world_size: int = 1, seed: int = 0):
         super().__init__()
-        self.split = data.load(name, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed, **options)
+        name = getattr(dataset, "func", dataset).__name__
+        try:
+            self.split = dataset(rank=rank, world_size=world_size, batch_size=batch_size, seed=seed)
+        except ConfigError as exc:
+            raise ConfigError(f"data.dataset: {exc}") from exc
+        for key, declared in (("classes", classes), ("features", features), ("vocab", vocab)):
+            value = getattr(self.split, key)
+            if declared != value:
+                raise ConfigError(f"data.{key}: data {name!r} has {key} {value}, got {declared!r}")
 
     def train_dataloader(self):
         return self.split.train

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 from hydra.core.utils import JobReturn
@@ -21,24 +22,24 @@ COLUMNS = ["job", "label", "strategy", "model", "data", "ranks", "iteration_ms",
 
 
 class SweepSummary(Callback):
-    """Keeps the summary of a multirun's sweep directory up to date, and prints it at the end."""
-
-    def __init__(self):
-        self.sweep_dir = None
+    """Keeps the summary of a multirun's sweep directory up to date, and prints it at the end.
+    The jobs may run in other processes (a submitit launcher): the sweep directory is read from
+    the config each time."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN:
-            return
-        self.sweep_dir = Path(config.hydra.runtime.output_dir).parent  # the job's directory is one level down
-        rows = collect(self.sweep_dir)
+        if config.hydra.mode != RunMode.MULTIRUN or os.environ.get("RANK", "0") != "0":
+            return  # a launcher's rank other than 0 (each runs the job) leaves the files to rank 0
+        sweep_dir = Path(config.hydra.runtime.output_dir).parent  # the job's directory is one level down
+        rows = collect(sweep_dir)
         if rows:
-            write_summary(rows, self.sweep_dir)
+            write_summary(rows, sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        rows = collect(self.sweep_dir) if self.sweep_dir is not None else []
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = collect(sweep_dir)
         if rows:
             print(markdown(rows))
-            print(f"sweep summary: {self.sweep_dir}/summary.csv, summary.md, summary.png")
+            print(f"sweep summary: {sweep_dir}/summary.csv, summary.md, summary.png")
 
 
 def collect(sweep_dir: Path) -> list[dict]:

@@ -47,11 +47,11 @@ def test_every_option_of_a_group_composes_and_passes_the_checks(group):
     for option in options(group):
         cfg = composed(f"{group}={option}", *fitting.get(option, []))
         if group in ("strategy", "model", "data"):
-            assert cfg[group].name == option
+            assert schema.job_labels(cfg)[group] == option
         if group == "logger":
             assert cfg.logger.kind == option
-        if group == "cluster" and option == "gpu":
-            assert (cfg.cluster.backend, cfg.cluster.accelerator) == ("nccl", "gpu")
+        if group == "cluster" and cfg.cluster.accelerator == "gpu":  # gpu, slurm
+            assert cfg.cluster.backend == "nccl"
             continue  # checked below: needs CUDA devices
         schema.check(cfg)
 
@@ -88,7 +88,7 @@ def test_an_optuna_sweep_runs_its_trials_and_writes_the_summary(tmp_path, monkey
             "hydra.sweeper.sampler.population_size=2", "trainer=quick", "timeline=false", f"hydra.sweep.dir={sweep}")
     with (sweep / "summary.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert len(rows) == 2 and all(row["strategy"] == "bytescheduler" for row in rows)
+    assert len(rows) == 2 and all(row["strategy"] == "bytescheduler+acp_sgd" for row in rows)
     assert all(float(row["throughput"]) > 0 and 0 <= float(row["final_accuracy"]) <= 100 for row in rows)
     tried = [json.loads((sweep / row["job"] / "result.json").read_text())["overrides"] for row in rows]
     assert all(any(o.startswith("strategy.options.partition_bytes=") for o in overrides) for overrides in tried)
@@ -121,19 +121,19 @@ def test_every_model_and_data_set_has_a_kind():
 
 def test_the_model_options_follow_the_data():
     cfg = composed("model=mlp", "data=synthetic_images")
-    assert cfg.model.options.inputs == 16 * 16 and cfg.model.options.classes == 10
-    network = models.build(cfg.model.name, **cfg.model.options)
+    assert cfg.model.network.inputs == 16 * 16 and cfg.model.network.classes == 10
+    network = schema.instantiate(cfg.model.network, "model.network")
     assert network[1].in_features == 256
-    assert composed("model=transformer", "data=synthetic_tokens").model.options.vocab == 256
+    assert composed("model=transformer", "data=synthetic_tokens").model.network.vocab == 256
     assert composed().trainer.devices == 2 == composed("trainer.devices=2").cluster.devices
 
 
 def test_the_synthetic_data_takes_its_classes_and_vocab_from_the_data_config():
     cfg = composed("data=synthetic_tokens", "model=transformer", "data.classes=20", "data.vocab=1000")
     schema.check(cfg)
-    split = data.load(cfg.data.name, **cfg.data.options)
+    split = schema.instantiate(cfg.data, "data").split
     tokens, labels = split.train.dataset.tensors
-    assert (split.classes, split.vocab, int(labels.max()), cfg.model.options.vocab) == (20, 1000, 19, 1000)
+    assert (split.classes, split.vocab, int(labels.max()), cfg.model.network.vocab) == (20, 1000, 19, 1000)
     assert int(tokens.max()) > 256
 
 
@@ -145,7 +145,7 @@ def test_every_rank_gets_as_many_training_batches():
 
 
 def test_the_limits_themselves_pass_the_checks():
-    schema.check(composed("trainer.batch_size=718", "trainer.seed=4294967295", "cluster.timeout=1e300"))
+    schema.check(composed("data.batch_size=718", "seed=4294967295", "cluster.timeout=1e300"))
     schema.check(composed("strategy=forest", "trainer.devices=2"))
 
 
@@ -191,11 +191,35 @@ def test_the_compressor_group_adds_any_compressor_with_its_defaults():
     assert strategy.scheduler == "us_byte"
 
 
-@pytest.mark.parametrize("override, key", [("+trainer.num_nodes=2", "trainer.num_nodes"), ("+foo=1", "foo"),
+@pytest.mark.parametrize("override, key", [("+cluster.nodes=2", "cluster.nodes"), ("+foo=1", "foo"),
                                            ("+cluster.gpus=2", "cluster.gpus")])
 def test_a_key_that_nothing_reads_is_refused_naming_it(override, key):
     with pytest.raises(ConfigError, match=f"^{key}: gradsync-train reads no such key; the keys"):
         schema.check(composed(override))
+
+
+@pytest.mark.parametrize("override, target, valid", [
+    ("+trainer.precison=16", "pytorch_lightning.Trainer", "precision"),
+    ("+model.bogus=1", "gradsync.recipes.lightning_module.Classifier", "lr, momentum, network"),
+    ("+model.network.bogus=1", "gradsync.recipes.models.small_cnn", "channels, classes"),
+    ("+data.bogus=1", "gradsync.recipes.lightning_module.ShardedData", "batch_size"),
+    ("+data.dataset.bogus=1", "gradsync.recipes.data.digits", "test_fraction"),
+])
+def test_a_key_its_target_does_not_take_is_refused_naming_the_arguments(override, target, valid):
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigError) as error:
+        schema.check(composed(override))
+    assert str(error.value).startswith(f"{key}: unknown argument of {target} '{key.rsplit('.', 1)[-1]}'; valid: ")
+    assert valid in str(error.value)
+
+
+def test_any_trainer_argument_is_passed_to_lightnings_trainer():
+    cfg = composed("+trainer.precision=bf16-mixed", "+trainer.accumulate_grad_batches=2",
+                   "+trainer.gradient_clip_val=0.5", "trainer.max_epochs=2")
+    schema.check(cfg)
+    trainer = schema.instantiate(cfg.trainer, "trainer", accelerator="cpu", devices=1, logger=False)
+    assert (trainer.precision, trainer.accumulate_grad_batches, trainer.gradient_clip_val, trainer.max_epochs) == (
+        "bf16-mixed", 2, 0.5, 2)
 
 
 def test_free_form_options_take_any_key_for_what_reads_them_to_check():
@@ -222,7 +246,7 @@ def test_cluster_gpu_needs_cuda_devices():
 
 @pytest.mark.parametrize("override, key, choices", [
     ("strategy.compressor.rank=-1", "strategy.compressor", ["'rank'", ">= 1"]),
-    ("strategy.name=bogus", "strategy.name", ["ddp", "us_byte", "acp_sgd"]),
+    ("strategy._target_=bogus.Strategy", "strategy._target_", ["cannot import", "'bogus.Strategy'"]),
     ("strategy.scheduler=bogus", "strategy.scheduler", ["mg_wfbp", "auto"]),
     ("strategy.compressor.type=bogus", "strategy.compressor.type", ["powersgd", "topk"]),
     ("strategy=us_byte +strategy.compressor.type=bogus", "strategy.compressor.type", ["acp_sgd", "topk"]),
@@ -231,34 +255,44 @@ def test_cluster_gpu_needs_cuda_devices():
     ("strategy=us_byte strategy.compressor=acp_sgd", "strategy.compressor", ["mapping", "'acp_sgd'", "powersgd"]),
     ("+strategy.options.process_group_backend=mpi", "strategy.options.process_group_backend",
      ["cluster.backend", "gloo, nccl"]),
+    ("+strategy.process_group_backend=mpi", "strategy.process_group_backend", ["cluster.backend", "gloo, nccl"]),
+    ("strategy=ddp +strategy.scheduler=wfbp", "strategy.scheduler", ["Lightning's 'ddp'"]),
     ("model=transformer", "data", ["synthetic_tokens"]),
     ("logger.kind=bogus", "logger.kind", ["wandb", "csv", "none"]),
     ("cluster.backend=nccl", "cluster.backend", ["gloo"]),
-    ("trainer.lr=0", "trainer.lr", ["> 0"]),
-    ("trainer.lr=inf", "trainer.lr", ["finite", "inf"]),
-    ("trainer.seed=-1", "trainer.seed", ["0..4294967295"]),
-    ("trainer.seed=4294967296", "trainer.seed", ["0..4294967295"]),
+    ("model.lr=0", "model.lr", ["> 0"]),
+    ("model.lr=inf", "model.lr", ["finite", "inf"]),
+    ("model.momentum=1", "model.momentum", ["[0, 1)"]),
+    ("seed=-1", "seed", ["0..4294967295"]),
+    ("seed=4294967296", "seed", ["0..4294967295"]),
+    ("trainer.max_epochs=0", "trainer.max_epochs", [">= 1"]),
+    ("trainer.num_nodes=2", "trainer.num_nodes", ["'local'", "cluster=torchrun", "cluster=slurm"]),
+    ("cluster.launcher=bogus", "cluster.launcher", ["external", "local"]),
+    ("+trainer.strategy=ddp", "trainer.strategy", ["gives pytorch_lightning.Trainer", "strategy=<name>"]),
+    ("+trainer.accelerator=gpu", "trainer.accelerator", ["cluster.accelerator"]),
+    ("+trainer.callbacks=[]", "trainer.callbacks", ["the recipe's callbacks"]),
+    ("+data.seed=3", "data.seed", ["top-level seed"]),
+    ("+data.dataset.batch_size=3", "data.dataset.batch_size", ["data.batch_size"]),
+    ("model.network._target_=torch.nn.Nope", "model.network._target_", ["cannot import", "'torch.nn.Nope'"]),
     ("cluster.timeout=inf", "cluster.timeout", ["finite", "inf"]),
     ("cluster.timeout=1e400", "cluster.timeout", ["finite", "inf"]),
-    ("trainer.batch_size=719", "trainer.batch_size", ["719", "718 training samples", "2 ranks"]),
-    ("trainer.devices=4 trainer.batch_size=360", "trainer.batch_size", ["359 training samples", "4 ranks"]),
+    ("data.batch_size=719", "data.batch_size", ["719", "718 training samples", "2 ranks"]),
+    ("trainer.devices=4 data.batch_size=360", "data.batch_size", ["359 training samples", "4 ranks"]),
     ("data.classes=5", "data.classes", ["has classes 10", "5"]),
     ("data.classes=20", "data.classes", ["has classes 10", "20"]),
     ("model=mlp data.features=10", "data.features", ["has features 64", "10"]),
     ("data.vocab=5", "data.vocab", ["has vocab None", "5"]),
-    ("data=synthetic_tokens model=transformer data.vocab=5", "data.options", ["'vocab'", "'classes' (10)", "5"]),
-    ("data=synthetic_images data.options.size=8", "data.features", ["has features 64", "256"]),
-    ("data=synthetic_images data.options.samples=0", "data.options.samples", [">= 1", "0"]),
-    ("data=synthetic_images data.options.samples=1", "data.options", ["0 training", "2 ranks"]),
-    ("+data.options.bogus=1", "data.options", ["digits option 'bogus'", "test_fraction"]),
-    ("+data.options.test_fraction=1.5", "data.options", ["'test_fraction'", "(0, 1)", "1.5"]),
-    ("+model.options.bogus=1", "model.options", ["cnn option 'bogus'", "channels, classes"]),
-    ("model=mlp +model.options.hidden=0", "model.options.hidden", [">= 1", "0"]),
-    ("model.options.classes=5", "model.options.classes", ["has classes 10", "5"]),
-    ("model=mlp model.options.inputs=10", "model.options.inputs", ["has features 64", "10"]),
-    ("data=synthetic_tokens model=transformer model.options.vocab=5", "model.options.vocab", ["has vocab 256"]),
-    ("data=synthetic_tokens model=transformer +model.options.heads=3", "model.options", ["'heads'", "3"]),
-    ("+model.options.channels=3", "model.options", ["cannot read", "[1, 8, 8]"]),
+    ("data=synthetic_tokens model=transformer data.vocab=5", "data.dataset", ["'vocab'", "'classes' (10)", "5"]),
+    ("data=synthetic_images data.dataset.size=8", "data.features", ["has features 64", "256"]),
+    ("data=synthetic_images data.dataset.samples=0", "data.dataset.samples", [">= 1", "0"]),
+    ("data=synthetic_images data.dataset.samples=1", "data.dataset", ["0 training", "2 ranks"]),
+    ("+data.dataset.test_fraction=1.5", "data.dataset", ["'test_fraction'", "(0, 1)", "1.5"]),
+    ("model=mlp +model.network.hidden=0", "model.network.hidden", [">= 1", "0"]),
+    ("model.network.classes=5", "model.network.classes", ["has classes 10", "5"]),
+    ("model=mlp model.network.inputs=10", "model.network.inputs", ["has features 64", "10"]),
+    ("data=synthetic_tokens model=transformer model.network.vocab=5", "model.network.vocab", ["has vocab 256"]),
+    ("data=synthetic_tokens model=transformer +model.network.heads=3", "model.network", ["'heads'", "3"]),
+    ("+model.network.channels=3", "model.network", ["cannot read", "[1, 8, 8]"]),
     ("objectives=[]", "objectives", ["final_accuracy", "throughput"]),
     ("strategy=forest trainer.devices=1", "trainer.devices", ["forest", "2 or more ranks", "1"]),
     ("strategy=forest +strategy.options.topology=ring-3", "trainer.devices", ["2 ranks", "3 workers"]),
@@ -273,8 +307,8 @@ def test_a_bad_value_names_the_key_and_the_valid_choices(override, key, choices)
 
 def test_a_wrong_type_or_unknown_option_fails_while_composing():
     with pytest.raises(ConfigCompositionException) as error:
-        composed("trainer.epochs=abc")
-    assert "trainer.epochs" in str(error.value.__cause__) and "Integer" in str(error.value.__cause__)
+        composed("trainer.max_epochs=abc")
+    assert "trainer.max_epochs" in str(error.value.__cause__) and "Integer" in str(error.value.__cause__)
     with pytest.raises(MissingConfigException) as error:
         composed("strategy=bogus")
     assert all(name in str(error.value) for name in ("us_byte", "acp_sgd", "ddp", "gradsync_auto"))
@@ -346,22 +380,12 @@ def test_one_real_two_rank_job(tmp_path):
     assert {"train/loss", "test/accuracy", "gradsync/iteration_time", "gradsync/comm_wait"} <= set(metrics)
 
 
-def test_trainer_options_reach_lightnings_trainer(tmp_path, monkeypatch):
+def test_trainer_arguments_reach_lightnings_trainer_in_the_ranks(tmp_path, monkeypatch):
     run_app(monkeypatch, "strategy=wfbp", "trainer=quick", "logger=none", "timeline=false",
-            "+trainer.options.accumulate_grad_batches=2", "+trainer.options.gradient_clip_val=0.5",
-            f"hydra.run.dir={tmp_path}")
+            "+trainer.accumulate_grad_batches=2", "+trainer.gradient_clip_val=0.5", f"hydra.run.dir={tmp_path}")
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["trainer_options"] == {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
-
-
-@pytest.mark.parametrize("override, message", [
-    ("+trainer.options.num_nodes=2", "trainer.options.num_nodes: gradsync-train starts every rank of a job on this node"),
-    ("+trainer.options.max_epochs=3", "trainer.options.max_epochs: the recipe sets this Trainer argument itself"),
-    ("+trainer.options.precison=16", "unknown Trainer argument in trainer.options 'precison'; valid: .*precision"),
-])
-def test_trainer_options_the_recipe_cannot_honour_are_refused(override, message):
-    with pytest.raises(ConfigError, match=message):
-        schema.check(composed(override))
+    assert result["trainer_arguments"] == {**result["trainer_arguments"], "accumulate_grad_batches": 2,
+                                           "gradient_clip_val": 0.5, "max_steps": 8, "num_nodes": 1}
 
 
 def test_a_two_job_sweep_writes_its_summary(tmp_path, monkeypatch):

@@ -49,8 +49,9 @@ def test_the_run_holds_the_config_and_per_step_metrics(offline_run):
     for record in log:
         if record["type"] == "config":
             config.update(record["config"]["update"])
-    assert config["strategy"]["name"] == "mg_wfbp" and config["trainer"]["max_steps"] == STEPS
-    assert config["model"]["name"] == "cnn" and config["architecture"] == "cnn"  # job config and hparams
+    assert config["strategy"]["scheduler"] == "mg_wfbp" and config["trainer"]["max_steps"] == STEPS
+    # the job config and the module's hyperparameters
+    assert config["model"]["network"]["_target_"] == "gradsync.recipes.models.small_cnn" and config["lr"] == 0.05
     history = [r["history"]["item"] for r in log if r["type"] == "history"]
     for metric in ("train/loss", "gradsync/iteration_time", "gradsync/comm_wait", "gradsync/codec_time",
                    "gradsync/compression_ratio"):
