@@ -18,7 +18,9 @@ whatever DDP's buckets are (DDP rebuilds them after the first iteration):
    started from a callback could overtake another bucket's on one rank and pair wrong buffers).
 
 Non-finite gradients pass through, decoded to non-finite values, so AMP's GradScaler sees them and
-skips the step; the codecs keep inf and NaN out of their error feedback. ``state_dict`` and
+skips the step; the codecs keep inf and NaN out of their error feedback, and such a step does not
+count: the next one runs as if it had never been (Power-SGD's warm-up steps, ACP-SGD's P and Q
+alternation). The averaged gradients are the same on every rank, and so is that decision. ``state_dict`` and
 ``load_state_dict`` resume a run exactly (the codec's state is keyed by parameter name, as
 ``gradsync.wrap``'s). The state pickles with its module and without its process group (the
 default group then, as torch's PowerSGD state does).
@@ -71,7 +73,9 @@ class CompressionState:
         self.codec = compress.build({"type": compressor, **options} if options else compressor)
         self.process_group = process_group
         self.seed = seed
-        self.step = 0  # synchronised iterations done (every bucket of one backward sees the same step)
+        self.step = 0  # synchronised iterations done with finite gradients (each bucket of one backward sees it)
+        self._ending = False  # the current step's last bucket is in: the step counts once its gradients are known
+        self._finite = None  # whether the current step's decoded gradients are all finite (a device flag)
         self.set_up = False  # whether the codec is set up for the module's parameters
         self._saved = None  # a loaded state_dict, restored into the codec when it is set up
         self._detach()
@@ -144,9 +148,24 @@ class CompressionState:
             buffer = self._gradients[name] = torch.empty_like(gradient, memory_format=torch.contiguous_format)
         return buffer.copy_(gradient)
 
+    def decoded(self, gradients: torch.Tensor) -> None:
+        """Note the averaged `gradients` of a bucket of the current step (are they finite?)."""
+        finite = torch.isfinite(gradients).all()
+        self._finite = finite if self._finite is None else self._finite & finite
+
+    def settle_step(self) -> None:
+        """Once a step's last bucket is in and decoded: count the step if its gradients were finite
+        (a GradScaler skips it otherwise). DDP waits for every bucket before the optimizer step, so
+        this runs at the next step's first bucket, or when the state is saved."""
+        if self._ending:
+            if self._finite is None or bool(self._finite):
+                self.step += 1
+            self._ending, self._finite = False, None
+
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The step and the codec's state (this rank's: error feedback differs per rank)."""
+        self.settle_step()
         codec = self.codec.state_dict() if self.set_up else self._saved
         return {"compressor": self.codec.name, "settings": self.codec.settings(), "step": self.step, "codec": codec}
 
@@ -165,6 +184,7 @@ class CompressionState:
             self._saved = state["codec"]
 
     def __getstate__(self) -> dict:
+        self.settle_step()
         process_bound = ("_channels", "_executors", "_names", "_slots", "_gradients")
         state = {k: v for k, v in self.__dict__.items() if k not in process_bound}
         return {**state, "process_group": None}
@@ -181,10 +201,10 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         state: the CompressionState registered with the hook.
         bucket: the bucket DDP hands over; its gradients are replaced by the decoded averages.
     """
+    state.settle_step()
     step = state.step
     rounds = [state.executor(bucket, layout) for layout in state.codec.rounds(step)]
-    if bucket.is_last():
-        state.step += 1
+    state._ending = bucket.is_last()
     gradients = bucket.gradients()
     slots = list(rounds[0].parameters.values())
     for (name, slot), gradient in zip(rounds[0].parameters.items(), gradients):
@@ -202,6 +222,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
             if slot.grad.data_ptr() != gradient.data_ptr():  # the codec's own buffer, or the op's adopted
                 gradient.copy_(slot.grad.view_as(gradient))
             slot.grad = None
+        state.decoded(bucket.buffer())
         return bucket.buffer()
 
     return last.future(0).then(decoded)

@@ -180,6 +180,57 @@ def test_a_resumed_hook_continues_bit_identically_and_an_overflow_leaves_its_sta
         assert result["overflowed"] and result["state_kept"]
 
 
+def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu"):
+    """Parameters after STEPS steps of fp16 autocast with torch's GradScaler on `device`, where step
+    `overflow_at` (None: none) first runs with a loss scale that overflows float16 (2^40): the
+    scaler must skip it and back off; then the step runs again at the scale of every other, 2^8."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    module = model().to(device)
+    state = CompressionState(module, compressor, seed=7)  # both runs start from the same factors
+    ddp = DDP(module)
+    ddp.register_comm_hook(state, compression_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
+    backed_off = None
+    for step in range(STEPS):
+        for overflowing in ([True, False] if step == overflow_at else [False]):
+            if overflowing:
+                scaler.update(new_scale=2.0**40)
+            inputs, targets = (t.to(device) for t in batch(rank, step))
+            optimizer.zero_grad()
+            with torch.autocast(device, dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            if overflowing:
+                backed_off = scaler.get_scale()
+                scaler.update(new_scale=2.0**8)
+    return {"parameters": flat(module).cpu(), "backed_off": backed_off}
+
+
+def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2) -> None:
+    """A step the GradScaler skips leaves training as without it: the same parameters, bitwise."""
+    skipped = run_local(under_grad_scaler, world_size, compressor, STEPS // 2, device, backend=backend)
+    plain = run_local(under_grad_scaler, world_size, compressor, None, device, backend=backend)
+    for with_overflow, without in zip(skipped, plain):
+        assert with_overflow["backed_off"] == 2.0**39  # the scaler saw the overflow: no update, scale halved
+        assert torch.equal(with_overflow["parameters"], without["parameters"])
+    assert all(torch.equal(skipped[0]["parameters"], other["parameters"]) for other in skipped)
+    assert not torch.equal(plain[0]["parameters"], flat(model()))  # it trained
+
+
+@pytest.mark.parametrize("compressor", [{"type": "acp_sgd", "rank": 2}, {"type": "powersgd", "rank": 2}])
+def test_a_step_the_grad_scaler_skips_under_fp16_autocast_leaves_training_as_without_it(compressor):
+    skipped_beside_plain(compressor)
+
+
+@pytest.mark.gpu
+def test_a_step_the_grad_scaler_skips_on_cuda_leaves_training_as_without_it():
+    skipped_beside_plain({"type": "acp_sgd", "rank": 2}, "cuda", "nccl", 1)
+
+
 def different_ranks(rank, world_size):
     ddp, optimizer, _ = hooked("acp_sgd", rank=2 + rank)
     train_step(ddp, optimizer, rank, 0)
