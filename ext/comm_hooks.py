@@ -73,7 +73,7 @@ class CompressionState:
         self.codec = compress.build({"type": compressor, **options} if options else compressor)
         self.process_group = process_group
         self.seed = seed
-        self.step = 0  # synchronised iterations done with finite gradients (each bucket of one backward sees it)
+        self._steps = 0  # synchronised iterations done with finite gradients (each bucket of one backward sees it)
         self._ending = False  # the current step's last bucket is in: the step counts once its gradients are known
         self._finite = None  # whether the current step's decoded gradients are all finite (a device flag)
         self.set_up = False  # whether the codec is set up for the module's parameters
@@ -153,19 +153,24 @@ class CompressionState:
         finite = torch.isfinite(gradients).all()
         self._finite = finite if self._finite is None else self._finite & finite
 
+    @property
+    def step(self) -> int:
+        """Synchronised steps done whose averaged gradients were finite (read between steps)."""
+        self.settle_step()
+        return self._steps
+
     def settle_step(self) -> None:
         """Once a step's last bucket is in and decoded: count the step if its gradients were finite
         (a GradScaler skips it otherwise). DDP waits for every bucket before the optimizer step, so
-        this runs at the next step's first bucket, or when the state is saved."""
+        this runs at the next step's first bucket, or when the step is read or the state saved."""
         if self._ending:
             if self._finite is None or bool(self._finite):
-                self.step += 1
+                self._steps += 1
             self._ending, self._finite = False, None
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The step and the codec's state (this rank's: error feedback differs per rank)."""
-        self.settle_step()
         codec = self.codec.state_dict() if self.set_up else self._saved
         return {"compressor": self.codec.name, "settings": self.codec.settings(), "step": self.step, "codec": codec}
 
@@ -175,7 +180,7 @@ class CompressionState:
         if saved != mine:
             raise ConfigError(f"comm hook state: the checkpoint was made with compressor and options {saved}, "
                               f"this state has {mine}")
-        self.step = state["step"]
+        self._steps, self._ending, self._finite = state["step"], False, None
         if state["codec"] is None:
             return
         if self.set_up:
@@ -201,8 +206,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         state: the CompressionState registered with the hook.
         bucket: the bucket DDP hands over; its gradients are replaced by the decoded averages.
     """
-    state.settle_step()
-    step = state.step
+    step = state.step  # settles the step before, if it ended
     rounds = [state.executor(bucket, layout) for layout in state.codec.rounds(step)]
     state._ending = bucket.is_last()
     gradients = bucket.gradients()

@@ -157,17 +157,18 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 def external_rank() -> ExternalRank:
     """This process's place when torchrun (or any launcher that sets torch's env:// variables:
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; the node from GROUP_RANK or NODE_RANK)
-    or submitit (SLURM or local tasks, its job environment exported as those variables) started it.
+    or submitit (SLURM or local tasks, its job environment exported as those variables, replacing
+    any inherited; a MASTER_PORT set before is kept) started it.
     ``dist.init_process_group(backend)`` then meets the other ranks.
 
     Raises:
         ConfigError: when no launcher set them (a plain ``python`` run), naming what is missing.
     """
-    if "RANK" not in os.environ and os.environ.get("SUBMITIT_EXECUTOR"):
+    if os.environ.get("SUBMITIT_EXECUTOR"):  # inside a submitit job its job environment is the truth
         import submitit
 
         place = submitit.JobEnvironment()
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         os.environ["NODE_RANK"] = str(place.node)
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:

@@ -130,8 +130,15 @@ def codec_config(codec: compress.CodecSpec) -> dict:
 
 
 def store_strategy(name: str, init_params: dict, codec: compress.CodecSpec | None = None) -> None:
-    """The strategy config group's option `name`: GradSyncStrategy with the `init_params` of the
-    Lightning name it stands for (a compressor's with its codec's config)."""
+    """Store the strategy config group's option `name`: GradSyncStrategy with the arguments of the
+    Lightning strategy name it stands for.
+
+    Args:
+        name: the option's name, the Lightning strategy name.
+        init_params: that name's registered arguments (scheduler, compressor name, transport).
+        codec: the compressor's spec, for a compressor's strategy: its config (type and every
+            option's default) replaces the compressor's name.
+    """
     compressor = None if codec is None else codec_config(codec)
     node = {"_target_": GRADSYNC_STRATEGY, **init_params, "compressor": compressor, "options": {}}
     ConfigStore.instance().store(group="strategy", name=name, node=node)

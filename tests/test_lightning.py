@@ -23,6 +23,7 @@ import torch.nn.functional as F
 pl = pytest.importorskip("pytorch_lightning")
 
 from gradsync import ConfigError  # noqa: E402
+from gradsync.cost import CostModel  # noqa: E402
 from gradsync.launch import run_local  # noqa: E402
 from gradsync.recipes.models import build  # noqa: E402
 from gradsync.strategies import GradSyncStrategy, strategy_entries  # noqa: E402
@@ -168,6 +169,16 @@ class PlanOps(pl.Callback):
             self.ops.append([runtime.codec.rounds(runtime.sync_steps)[0], len(runtime.plan.ops)])
 
 
+# a given cost model: no network probes at wrap (0.1 s a fit instead of 1.6 s here), for the runs
+# that check Lightning's features rather than the registered names' own defaults
+GIVEN_COST = CostModel(1e-4, 1e-9)
+
+
+def without_probes(name: str):
+    """The strategy registered as `name` with GIVEN_COST (Lightning's own for ``ddp``)."""
+    return name if name == "ddp" else GradSyncStrategy(**StrategyRegistry[name]["init_params"], cost=GIVEN_COST)
+
+
 def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> dict:
     """Train a freshly seeded model; its final parameters and buffers, the metrics and the plans'
     op counts. Python's generator is seeded too: rank 0 draws the compressors' seed from it."""
@@ -217,20 +228,20 @@ def save_without_gradsync_state(path: Path, stripped: Path) -> None:
 def resume_runs(rank, root: Path) -> dict:
     """acp_sgd for two 3-step epochs straight, and one epoch + a checkpoint + a resumed second."""
     epoch = dict(limit_train_batches=3, max_steps=-1)
-    runs = {"straight": attempt(lambda: fit("acp_sgd", root, max_epochs=2, **epoch))}
+    runs = {"straight": attempt(lambda: fit(without_probes("acp_sgd"), root, max_epochs=2, **epoch))}
     saver = ModelCheckpoint(dirpath=root / "checkpoints", filename="resume", save_on_train_epoch_end=True)
-    runs["first_epoch"] = attempt(lambda: fit("acp_sgd", root, max_epochs=1, enable_checkpointing=True,
+    runs["first_epoch"] = attempt(lambda: fit(without_probes("acp_sgd"), root, max_epochs=1, enable_checkpointing=True,
                                               callbacks=[saver], **epoch))
     saved = root / "checkpoints" / "resume.ckpt"
     stripped = saved.with_name("stripped.ckpt")
-    runs["resumed"] = attempt(lambda: fit("acp_sgd", root, ckpt_path=saved, max_epochs=2, **epoch))
+    runs["resumed"] = attempt(lambda: fit(without_probes("acp_sgd"), root, ckpt_path=saved, max_epochs=2, **epoch))
     if rank == 0:
         save_without_gradsync_state(saved, stripped)
         gradsync_state = torch.load(saved, weights_only=False)["optimizer_states"][0]["gradsync"]
         runs["saved"] = {"step": gradsync_state["step"], "error_feedback_ranks": len(gradsync_state["per_rank"])}
     torch.distributed.barrier()
     runs["resumed_without_gradsync_state"] = attempt(
-        lambda: fit("acp_sgd", root, ckpt_path=stripped, max_epochs=2, **epoch))
+        lambda: fit(without_probes("acp_sgd"), root, ckpt_path=stripped, max_epochs=2, **epoch))
     return runs
 
 
@@ -270,18 +281,20 @@ def all_runs(rank, world_size, root):
     results = {"ddp": fit("ddp", root)}
     for name in NAMES:
         results[name] = attempt(lambda: fit(name, root))
-    results["progress_bar/wfbp"] = attempt(lambda: fit(GradSyncStrategy(scheduler="wfbp", progress_bar=True), root))
+    results["progress_bar/wfbp"] = attempt(lambda: fit(GradSyncStrategy(scheduler="wfbp", progress_bar=True,
+                                                                         cost=GIVEN_COST), root))
     for name in ("ddp", "wfbp", "us_byte"):
-        results[f"accumulate/{name}"] = attempt(lambda: fit(name, root, accumulate_grad_batches=2))
-        results[f"clip/{name}"] = attempt(lambda: fit(name, root, gradient_clip_val=CLIP))
-        results[f"clip_hook/{name}"] = attempt(lambda: fit(name, root, model_class=HookClipClassifier))
-        results[f"fp16/{name}"] = attempt(lambda: fit(name, root, plugins=[fp16_with_grad_scaler()]))
-        results[f"batchnorm/{name}"] = attempt(lambda: fit(name, root, model_class=BatchNormClassifier,
+        results[f"accumulate/{name}"] = attempt(lambda: fit(without_probes(name), root, accumulate_grad_batches=2))
+        results[f"clip/{name}"] = attempt(lambda: fit(without_probes(name), root, gradient_clip_val=CLIP))
+        results[f"clip_hook/{name}"] = attempt(lambda: fit(without_probes(name), root, model_class=HookClipClassifier))
+        results[f"fp16/{name}"] = attempt(lambda: fit(without_probes(name), root, plugins=[fp16_with_grad_scaler()]))
+        results[f"batchnorm/{name}"] = attempt(lambda: fit(without_probes(name), root, model_class=BatchNormClassifier,
                                                            val_check_interval=3, limit_val_batches=2))
     for name in ("ddp", "us_byte"):
-        results[f"manual/{name}"] = attempt(lambda: fit(name, root, model_class=ManualClassifier))
-        results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(name, root))
-        results[f"norms_after_backward/{name}"] = attempt(lambda: fit_recording_norms(name, root, NormsAfterBackward))
+        results[f"manual/{name}"] = attempt(lambda: fit(without_probes(name), root, model_class=ManualClassifier))
+        results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(without_probes(name), root))
+        results[f"norms_after_backward/{name}"] = attempt(
+            lambda: fit_recording_norms(without_probes(name), root, NormsAfterBackward))
     results["resume"] = resume_runs(rank, shared)
     results["hook_resume"] = hook_resume_runs(shared)
     return results
