@@ -152,6 +152,11 @@ def test_bad_scheduler_names_key_and_choices(no_deepspeed_start):
     ({"compressor": "gzip"}, "gradsync.compressor"),
     ({"compressor": {"type": "acp_sgd", "rnak": 4}}, "gradsync.compressor"),
     ({"options": {"channels": 3}}, "gradsync.options"),
+    ({"scheduler": "bytescheduler", "options": {"partition_bytes": 0}}, "gradsync.options.partition_bytes"),
+    ({"scheduler": "bytescheduler", "channels": 2, "options": {"credit": 2, "partition_bytes": -5}},
+     "gradsync.options.partition_bytes"),
+    ({"scheduler": "us_byte", "options": {"partition_bytes": 4096, "credit": 2}}, "gradsync.options.credit"),
+    ({"options": {"bucket_cap_bytes": 1}}, "gradsync.options.bucket_cap_bytes"),  # auto takes no such option
     ({"options": [1]}, "gradsync.options"),
     ({"scheduler": ["wfbp"]}, "gradsync.scheduler"),
     ({"compressor": {"type": ["acp_sgd"]}}, "gradsync.compressor"),

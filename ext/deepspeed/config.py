@@ -18,6 +18,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 from torch import nn
 
+from .. import planners
 from ..compress import Codec
 from ..errors import ConfigError
 from ..runtime import WrapArguments, check_wrap_arguments, wrap
@@ -80,6 +81,11 @@ def wrap_arguments(section) -> WrapArguments:
     with field("options"):
         options = _planner_options(section.get("options", {}))
     arguments = {key: section[key] for key in KEYS if key in section and key != "options"}
+    scheduler = arguments.get("scheduler", "auto")
+    if isinstance(scheduler, str) and scheduler in planners.names():
+        for name, value in options.items():  # each option alone first, so that an error names it
+            with field(f"options.{name}"):
+                planners.bind(scheduler, **{name: value})
     with field(", ".join(sorted(arguments)) or "options"):
         return check_wrap_arguments(**arguments, **options)
 
