@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import compress
 from .agreement import check_same_on_all_ranks, share_from_first
 from .compress import Codec
+from .compress.gradients import all_finite, checksum
 from .errors import ConfigError
 from .plan import Op, Plan, whole
 from .runtime.channels import Channels
@@ -75,7 +76,7 @@ class CompressionState:
         self.seed = seed
         self._steps = 0  # synchronised iterations done with finite gradients (each bucket of one backward sees it)
         self._ending = False  # the current step's last bucket is in: the step counts once its gradients are known
-        self._finite = None  # whether the current step's decoded gradients are all finite (a device flag)
+        self._checksum = None  # the sum of the current step's decoded gradients (inf or NaN if any is), on device
         self.set_up = False  # whether the codec is set up for the module's parameters
         self._saved = None  # a loaded state_dict, restored into the codec when it is set up
         self._detach()
@@ -149,9 +150,9 @@ class CompressionState:
         return buffer.copy_(gradient)
 
     def decoded(self, gradients: torch.Tensor) -> None:
-        """Note the averaged `gradients` of a bucket of the current step (are they finite?)."""
-        finite = torch.isfinite(gradients).all()
-        self._finite = finite if self._finite is None else self._finite & finite
+        """Note the averaged `gradients` of a bucket of the current step (in one `checksum` per step)."""
+        total = checksum(gradients)
+        self._checksum = total if self._checksum is None else self._checksum + total
 
     @property
     def step(self) -> int:
@@ -164,9 +165,9 @@ class CompressionState:
         (a GradScaler skips it otherwise). DDP waits for every bucket before the optimizer step, so
         this runs at the next step's first bucket, or when the step is read or the state saved."""
         if self._ending:
-            if self._finite is None or bool(self._finite):
+            if self._checksum is None or all_finite(self._checksum):
                 self._steps += 1
-            self._ending, self._finite = False, None
+            self._ending, self._checksum = False, None
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -180,7 +181,7 @@ class CompressionState:
         if saved != mine:
             raise ConfigError(f"comm hook state: the checkpoint was made with compressor and options {saved}, "
                               f"this state has {mine}")
-        self._steps, self._ending, self._finite = state["step"], False, None
+        self._steps, self._ending, self._checksum = state["step"], False, None
         if state["codec"] is None:
             return
         if self.set_up:

@@ -164,16 +164,6 @@ planners.registry.subscribe(lambda spec: store_strategy(*planner_entry(spec)[:2]
 compress.registry.subscribe(store_codec)
 
 
-def strategy_names() -> list[str]:
-    """``ddp`` and every strategy gradsync registers with Lightning (registered when gradsync
-    is imported)."""
-    from pytorch_lightning.strategies import StrategyRegistry
-
-    from ..strategies import GradSyncStrategy
-
-    return ["ddp", *(name for name, entry in StrategyRegistry.items() if issubclass(entry["strategy"], GradSyncStrategy))]
-
-
 def job_labels(cfg) -> dict:
     """The names a report gives the job's strategy, model and data: the Lightning strategy name
     of its scheduler, compressor and transport (``scheduler+compressor`` where none is registered);
@@ -229,7 +219,7 @@ def _at_least(key: str, value, low) -> None:
 def check(cfg: DictConfig, directions: Optional[List[str]] = None) -> None:
     """Raise ConfigError (naming the key and the valid choices) for any value the job would refuse;
     `directions`: those of the sweeper optimising the job's objectives (one per objective), if any.
-    Builds the strategy, the data module (rank 0's shard) and the network here, as a rank would."""
+    Builds the data module (rank 0's shard) and the network here, as a rank would."""
     _check_known_keys(cfg, Config)
     _check_trainer(cfg.trainer, cfg.cluster)
     _check_strategy(cfg.strategy, cfg.trainer.devices * cfg.trainer.num_nodes)

@@ -14,13 +14,9 @@ from hydra import compose, initialize_config_module
 from gradsync import ConfigError
 from gradsync.launch import ExternalRank, external_rank, free_port
 from gradsync.recipes import app
+from test_recipes import composed
 
 JOB = ["strategy=wfbp", "trainer=quick", "trainer.max_steps=24", "logger=none", "timeline=false"]
-
-
-def composed(*overrides):
-    with initialize_config_module("gradsync.recipes.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 @pytest.fixture(scope="module")
