@@ -329,8 +329,10 @@ def non_finite_skipped(rank, world_size):
     # the output layers' ops finish before the input layer's non-finite one: none may commit
     after = [t for k in sorted(codec.p_prev) for t in (codec.p_prev[k], codec.q_prev[k])]
     factors_kept = all(torch.equal(a, b) for a, b in zip(after, factors))
+    # the skipped step is no codec step: the next is step 1 (a Q step), as if it had never been
+    steps_kept = attached(model).sync_steps == 1
     attached(model).detach()
-    return errors_finite, errors_kept, unchanged and factors_kept
+    return errors_finite, errors_kept, unchanged and factors_kept and steps_kept
 
 
 def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_everywhere():

@@ -3,6 +3,7 @@ on the same model and data (the same runtime op per bucket, so the same numbers)
 all-reduce, and itself resumed from a checkpoint; 2 gloo ranks."""
 import copy
 import pickle
+import random
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from gradsync.comm_hooks import CompressionState, compression_hook
 from gradsync.errors import ConfigError
 from gradsync.launch import run_local
 from gradsync.runtime import attached
+from runtime_models import COST, synthetic_profile
 
 STEPS = 6
 ONE_PARAMETER_PER_BUCKET = 1e-6  # bucket_cap_mb: DDP puts each parameter in its own bucket
@@ -180,17 +182,27 @@ def test_a_resumed_hook_continues_bit_identically_and_an_overflow_leaves_its_sta
         assert result["overflowed"] and result["state_kept"]
 
 
-def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu"):
+def scaled_replica(module, compressor, front: str):
+    """`module` averaged through `compressor` by `front`: "hook" (torch DDP with gradsync's hook)
+    or "wrap" (gradsync.wrap, letting non-finite gradients through to the scaler). Both runs of a
+    comparison start from the same low-rank factors. Returns (model, optimizer)."""
+    if front == "hook":
+        ddp = DDP(module)
+        ddp.register_comm_hook(CompressionState(module, compressor, seed=7), compression_hook)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+    random.seed(7)  # rank 0 draws the codec's seed
+    return gradsync.wrap(module, torch.optim.SGD(module.parameters(), lr=0.1), scheduler="wfbp",
+                         compressor=compressor, nonfinite="ignore", profile=synthetic_profile(module), cost=COST)
+
+
+def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", front="hook"):
     """Parameters after STEPS steps of fp16 autocast with torch's GradScaler on `device`, where step
     `overflow_at` (None: none) first runs with a loss scale that overflows float16 (2^40): the
     scaler must skip it and back off; then the step runs again at the scale of every other, 2^8."""
     if device == "cuda":
         torch.cuda.set_device(0)
     module = model().to(device)
-    state = CompressionState(module, compressor, seed=7)  # both runs start from the same factors
-    ddp = DDP(module)
-    ddp.register_comm_hook(state, compression_hook)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    replica, optimizer = scaled_replica(module, compressor, front)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
     backed_off = None
     for step in range(STEPS):
@@ -200,8 +212,10 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu"):
             inputs, targets = (t.to(device) for t in batch(rank, step))
             optimizer.zero_grad()
             with torch.autocast(device, dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
+                loss = torch.nn.functional.mse_loss(replica(inputs), targets)
             scaler.scale(loss).backward()
+            if front == "wrap":  # the scaler reads the gradients before the step
+                optimizer.synchronize()
             scaler.step(optimizer)
             scaler.update()
             if overflowing:
@@ -210,10 +224,10 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu"):
     return {"parameters": flat(module).cpu(), "backed_off": backed_off}
 
 
-def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2) -> None:
+def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2, front="hook") -> None:
     """A step the GradScaler skips leaves training as without it: the same parameters, bitwise."""
-    skipped = run_local(under_grad_scaler, world_size, compressor, STEPS // 2, device, backend=backend)
-    plain = run_local(under_grad_scaler, world_size, compressor, None, device, backend=backend)
+    skipped = run_local(under_grad_scaler, world_size, compressor, STEPS // 2, device, front, backend=backend)
+    plain = run_local(under_grad_scaler, world_size, compressor, None, device, front, backend=backend)
     for with_overflow, without in zip(skipped, plain):
         assert with_overflow["backed_off"] == 2.0**39  # the scaler saw the overflow: no update, scale halved
         assert torch.equal(with_overflow["parameters"], without["parameters"])
@@ -221,9 +235,10 @@ def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2)
     assert not torch.equal(plain[0]["parameters"], flat(model()))  # it trained
 
 
+@pytest.mark.parametrize("front", ["hook", "wrap"])
 @pytest.mark.parametrize("compressor", [{"type": "acp_sgd", "rank": 2}, {"type": "powersgd", "rank": 2}])
-def test_a_step_the_grad_scaler_skips_under_fp16_autocast_leaves_training_as_without_it(compressor):
-    skipped_beside_plain(compressor)
+def test_a_step_the_grad_scaler_skips_under_fp16_autocast_leaves_training_as_without_it(compressor, front):
+    skipped_beside_plain(compressor, front=front)
 
 
 @pytest.mark.gpu

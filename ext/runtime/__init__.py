@@ -79,7 +79,9 @@ def wrap(
         trace: a path for a Chrome trace of this rank's hooks and ops (None: no trace).
         timeout: seconds any collective of gradsync may wait for a peer before PeersTimedOut.
         nonfinite: ``"raise"`` (name the parameter), ``"skip"`` (skip the step on every rank) or
-            ``"ignore"``.
+            ``"ignore"`` (let them through, for a GradScaler to skip the step). A step whose
+            averaged gradients hold inf or NaN is no compressor step: the next runs as if it had
+            never been (Power-SGD's warm-up, ACP-SGD's P and Q alternation).
         broadcast_buffers: give every rank rank 0's buffers after each backward pass, as DDP does.
         warmup_iterations, measure_iterations: iterations skipped, then timed, by ``profile="measure"``.
         plan_trials: with a choosing scheduler (``auto``) and a measured profile, how many plans to

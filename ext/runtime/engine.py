@@ -64,7 +64,8 @@ class GradSync:
         self.used_unsynced: set[str] = set()  # parameters whose gradients accumulated under no_sync since the last sync
         self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
         self.wait_at_backward_end = False  # for front-ends whose hooks read the gradients before the step
-        self.sync_steps = 0  # synchronised backward passes so far: the codec's step
+        self.steps_counted = 0  # synchronised steps settled so far with finite gradients: the codec's step
+        self.step_unsettled = False  # the last synchronised backward's step, counted once its ops are all in
         self.rounds_now: tuple[str, ...] = ()  # the wire layouts the current iteration sends
         self.executor: PlanExecutor | None = None  # the one running the current iteration
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
@@ -93,6 +94,23 @@ class GradSync:
     def last_step_skipped(self) -> bool:
         """Whether the last step was skipped for non-finite gradients (on every rank)."""
         return self.executor is not None and self.executor.skip_step
+
+    @property
+    def sync_steps(self) -> int:
+        """Synchronised steps whose averaged gradients were finite: the codec's step (settles the
+        last one first, waiting for its ops)."""
+        self.settle_step()
+        return self.steps_counted
+
+    def settle_step(self) -> None:
+        """Count the last synchronised step once every op of it is in, unless an averaged gradient
+        held inf or NaN: such a step is skipped (by ``nonfinite="skip"``, or by a GradScaler under
+        "ignore"), its codec state left as before it, and the next runs as if it had never been."""
+        if not self.step_unsettled:
+            return
+        self.executor.wait_all()
+        self.step_unsettled = False
+        self.steps_counted += not self.executor.nonfinite_seen
 
     @property
     def plan(self) -> Plan:
@@ -145,7 +163,7 @@ class GradSync:
         self.executor = self.installed.executors[self.rounds_now[0]]
         self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced)
         self.used_unsynced = set()
-        self.sync_steps += 1
+        self.step_unsettled = True
         if self.trace is not None:
             self.trace.mark("backward start")
         Variable._execution_engine.queue_callback(self._end_backward)
@@ -164,7 +182,8 @@ class GradSync:
             self.clock.wait(previous, previous.wait_all)
             with self.clock.updating():  # the round's encoding
                 self.executor.start_iteration(previous.step, ready=previous.ready)
-                self.executor.skip_step = previous.skip_step  # a skip found in one round holds for the step
+                # a skip found in one round holds for the step
+                self.executor.skip_step, self.executor.nonfinite_seen = previous.skip_step, previous.nonfinite_seen
                 self.executor.end_backward()
         if self.wait_at_backward_end:
             self.clock.wait(self.executor, self.executor.wait_all)
@@ -239,7 +258,8 @@ class GradSync:
                                   sum(executors[layout].encode_seconds for layout in set(self.rounds_now)))
         if self.trace is not None:
             self.trace.iteration(stats)
-        done = IterationDone(stats, self.rounds_now, self.codec.rounds(self.sync_steps),
+        next_step = self.steps_counted + (self.step_unsettled and not self.executor.nonfinite_seen)  # if known
+        done = IterationDone(stats, self.rounds_now, self.codec.rounds(next_step),
                              self.installed.plans[self.rounds_now[0]], self.last_step_skipped)
         self.installed.iteration_done(done, prediction.busy)
 
@@ -272,7 +292,7 @@ class GradSync:
                     "resume with the same number of ranks")
             per_rank = state["per_rank"][self.channels.rank]
         self.codec.load_state_dict(state["shared"], per_rank)
-        self.sync_steps = state["step"]
+        self.steps_counted, self.step_unsettled = state["step"], False
 
     # -- teardown ----------------------------------------------------------------------------------
     @contextmanager

@@ -112,6 +112,7 @@ class PlanExecutor:
         self.ops_left = {name: len(indices) for name, indices in self.ops_of_tensor.items()}
         self.backward_over = False
         self.skip_step = False
+        self.nonfinite_seen = False  # an averaged gradient held inf or NaN (skipped, let through or raised)
         self.finishable: list[str] = []
 
     def mark_ready(self, name: str) -> None:
@@ -177,7 +178,7 @@ class PlanExecutor:
         data_end = _data_end(state)
         flags = [1.0 if self._used(name) else 0.0 for name in state.tensors] + [0.0]
         buffer[data_end:].copy_(torch.tensor(flags, dtype=buffer.dtype))
-        if self.nonfinite != "ignore" and buffer.is_floating_point():
+        if buffer.is_floating_point():
             buffer[-1:].copy_(~torch.isfinite(checksum(buffer[:data_end])))
 
     # -- completion --------------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class PlanExecutor:
         with record_function(f"gradsync::unpack {state.label}"):
             self._unpack(state)
         if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
-            self._finish(check_decoded=self.nonfinite != "ignore" and not state.buffer.is_floating_point())
+            self._finish(check_decoded=not state.buffer.is_floating_point())
 
     def _unpack(self, state: _OpState) -> None:
         """The reduced buffer's flags checked and its spans landed where the codec takes them."""
@@ -254,8 +255,10 @@ class PlanExecutor:
         self.decode_seconds += time.perf_counter() - started
 
     def _non_finite(self, bad: list[str]) -> None:
+        self.nonfinite_seen = True
         if self.nonfinite == "skip":
             self.skip_step = True
+        if self.nonfinite != "raise":
             return
         raise NonFiniteGradient(f"non-finite averaged gradient in parameter(s) {sorted(set(bad))}")
 
@@ -268,7 +271,7 @@ class PlanExecutor:
     def wait_all(self) -> None:
         for index in range(len(self.ops)):
             self.wait(index)
-        self._finish(check_decoded=self.nonfinite != "ignore" and not self.ops[0].buffer.is_floating_point())
+        self._finish(check_decoded=not self.ops[0].buffer.is_floating_point())
 
     def complete(self, name: str) -> bool:
         return all(self.ops[i].done for i in self.ops_of_tensor[name])
