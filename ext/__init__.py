@@ -13,6 +13,9 @@ from .profile import ModelProfile
 from .runtime import IterationStats, NonFiniteGradient, SyncReport, no_sync, report, wrap
 from .simulate import Timeline, simulate
 from . import strategies  # registers the Lightning strategy names when Lightning is installed
+from .deepspeed_entry import install as _install_deepspeed_entry
+
+_install_deepspeed_entry()  # the "gradsync" section of a DeepSpeed config, honoured by deepspeed.initialize
 
 __version__ = "0.1.0"
 

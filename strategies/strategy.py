@@ -232,27 +232,15 @@ class GradSyncOverrides(GradSyncArguments):
         runs first."""
         report = self.runtime.report()
         self.plan_announced = not report.measuring
-        if self.global_rank != 0:
-            return
-        if report.measuring:
-            what = "timing the layers, the network and the candidate plans before the plan is chosen"
-        else:
-            what = "; ".join(f"{layout}: {summary['chosen']} plan of {summary['ops']} op(s), "
-                             f"{summary['predicted_ms']:.1f} ms predicted"
-                             for layout, summary in ((layout, report.layouts[layout].summary())
-                                                     for layout in report.steady_layouts))
-        console_logger(type(self)).info(f"gradsync ({report.scheduler}, compressor {report.compressor}): {when}; "
-                                        f"{what}")
+        if self.global_rank == 0:
+            console_logger(type(self)).info(f"gradsync ({report.scheduler}, compressor {report.compressor}): "
+                                            f"{when}; {report.plan_summary()}")
 
     def _log_stats(self, stats, gradient_bytes: int) -> None:
-        """Log an iteration's measured time, non-overlapped communication (comm_wait), the codec's
-        encoding and decoding time (codec_time), bytes sent by this rank and compression ratio
-        (bytes sent / uncompressed gradient bytes) to every Lightning logger, if any, and to the
+        """Log an iteration's ``IterationStats.metrics`` to every Lightning logger, if any, and to the
         progress bar if asked (rank 0's values, as for any metric logged without sync_dist)."""
-        metrics = {"iteration_time": stats.iteration_time, "comm_wait": stats.comm_wait, "codec_time": stats.codec_time,
-                   "bytes_sent": float(stats.bytes_sent), "compression_ratio": stats.bytes_sent / gradient_bytes}
         has_logger = bool(self.lightning_module.trainer.loggers)
-        for name, value in metrics.items():
+        for name, value in stats.metrics(gradient_bytes).items():
             self.lightning_module.log(STATS_PREFIX + name, value, on_step=True, on_epoch=False,
                                       prog_bar=self.progress_bar, logger=has_logger)
 

@@ -4,11 +4,12 @@
 
 1. ``us_byte`` uncompressed, gradient accumulation 2, without and with gradient clipping (DeepSpeed
    clips at 1.0 by default): DeepSpeed's engine with gradsync beside a DistributedDataParallel
-   reference run on the same batches in this process;
+   reference run on the same batches in this process; the first writes to DeepSpeed's csv monitor;
 2. ``acp_sgd`` with gradient clipping: losses, replica agreement, and a checkpoint round trip
    through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches;
 3. ``"nonfinite": "skip"`` with a NaN batch on rank 1, beside plain DeepSpeed (no gradsync section)
    on the same batches without that one, both with a warm-up LR schedule.
+Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
 """
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils.logging import set_log_level_from_string
 from torch import nn
 
-import gradsync.deepspeed
+import gradsync  # after deepspeed: its engine honours the "gradsync" section from here on
 from gradsync.plan import FORWARD
 
 MICRO_BATCH, FEATURES, OUTPUTS = 8, 8, 4
@@ -78,14 +80,17 @@ def ddp_reference(rank: int, steps: int, accumulation: int, clipping: float) -> 
     return flat(model)
 
 
-def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transport: dict) -> dict:
+def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transport: dict,
+                             monitor: Path | None = None) -> dict:
+    """With `monitor`, DeepSpeed's csv monitor writes there (rank 0), and what it wrote is returned."""
     accumulation, steps = 2, 8
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": accumulation,
               "gradient_clipping": clipping, "optimizer": SGD, **QUIET,
               "gradsync": {"scheduler": "us_byte", "channels": 2, "cost": cost_path, **transport}}
+    if monitor is not None:
+        config["csv_monitor"] = {"enabled": True, "output_path": str(monitor), "job_name": "us_byte"}
     model = mlp()
-    engine, optimizer, _, _ = gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                            config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     for micro in range(steps * accumulation):
         micro_step(engine, rank, micro)
     optimizer.synchronize()
@@ -96,6 +101,8 @@ def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transpo
               "backward_allreduce": engine.enable_backward_allreduce,
               "transport": engine.gradsync.channels.transport,
               "engine_class": type(engine).__name__}
+    if monitor is not None and rank == 0:
+        result["monitor"] = {path.stem: path.read_text().splitlines() for path in (monitor / "us_byte").glob("*.csv")}
     engine.destroy()
     return result
 
@@ -105,8 +112,7 @@ def compressed_with_checkpoint(rank: int, directory: Path) -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": SGD, **QUIET,
               "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}}}
     model = mlp()
-    engine, optimizer, _, _ = gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                            config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = []
     for step in range(saved_at):
         losses.append(micro_step(engine, rank, step))
@@ -148,7 +154,7 @@ def skipped_step_against_plain_deepspeed(rank: int, cost_path: str) -> dict:
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0, "optimizer": SGD,
               "scheduler": WARMUP, **QUIET}
     model = mlp()
-    engine, optimizer, _, _ = gradsync.deepspeed.initialize(
+    engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(),
         config={**config, "gradsync": {"scheduler": "wfbp", "cost": cost_path, "nonfinite": "skip"}})
     for step in range(steps):
@@ -179,6 +185,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    set_log_level_from_string("info")  # the plan gradsync runs is an INFO line of DeepSpeed's logger
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     cost_path = args.out / "cost.json"
@@ -188,7 +195,7 @@ def main() -> None:
     started = time.perf_counter()
     result = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
               "accelerator": os.environ.get("DS_ACCELERATOR"),
-              "uncompressed": uncompressed_equivalence(rank, str(cost_path), 0.0, {}),
+              "uncompressed": uncompressed_equivalence(rank, str(cost_path), 0.0, {}, args.out / "monitor"),
               "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), 1.0,
                                                                {"transport": "forest", "topology": "complete-2"}),
               "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint"),

@@ -42,7 +42,7 @@ TOLERANCE = 1e-5
 CLIP = 0.05
 # fp16 overflows at this initial loss scale: the GradScaler skips the first steps, then halves it
 FP16_INITIAL_SCALE = 2.0**22
-STATS = ("iteration_time", "comm_wait", "codec_time", "bytes_sent", "compression_ratio")
+STATS = ("iteration_time", "predicted_time", "comm_wait", "codec_time", "bytes_sent", "compression_ratio")
 
 # the model: Linear(16→32), Linear(32→32), Linear(32→4) and their biases
 GRADIENT_NUMEL = 32 * 16 + 32 + 32 * 32 + 32 + 4 * 32 + 4

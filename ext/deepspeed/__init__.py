@@ -1,5 +1,7 @@
-"""DeepSpeed plugin: a top-level ``"gradsync"`` section in the DeepSpeed config, read by
-``gradsync.deepspeed.initialize``, a drop-in for ``deepspeed.initialize``.
+"""DeepSpeed plugin: a top-level ``"gradsync"`` section in the DeepSpeed config, honoured by
+``deepspeed.initialize`` itself once ``gradsync`` is imported (``gradsync.deepspeed_entry``), and
+so by every route that builds DeepSpeed's engine. ``gradsync.deepspeed.initialize`` is
+``deepspeed.initialize``.
 
 Example section::
 
@@ -10,7 +12,9 @@ warmup_iterations, measure_iterations, plan_trials (as in ``gradsync.wrap``), op
 options), transport ("allreduce" or "forest") and topology (the forest's: a preset name or a
 topology file).
 """
+from deepspeed import initialize
+
 from .config import KEYS, SECTION
-from .engine import GradSyncEngine, initialize
+from .engine import GradSyncEngine
 
 __all__ = ["GradSyncEngine", "KEYS", "SECTION", "initialize"]

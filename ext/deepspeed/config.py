@@ -1,8 +1,8 @@
-"""The ``"gradsync"`` section of a DeepSpeed config, checked before DeepSpeed starts.
+"""The ``"gradsync"`` section of a DeepSpeed config, checked before DeepSpeed's engine starts.
 
 DeepSpeed keeps unknown top-level keys of its config (its sub-sections are strict), so gradsync's
 settings live in one top-level section. Everything here is local: no collective runs, so a bad
-config fails on every rank alike before any process group is used.
+config fails on every rank alike before the engine sends anything.
 """
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ from contextlib import contextmanager
 
 import torch
 from deepspeed.moe.utils import is_moe_param
-from deepspeed.runtime.config import (get_managed_gradient_accumulation, get_torch_autocast_dtype,
-                                      get_torch_autocast_enabled)
-from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-from pydantic import ValidationError
+from deepspeed.runtime.config import DeepSpeedConfig
 from torch import nn
 
 from .. import planners
@@ -29,37 +25,6 @@ KEYS = ("scheduler", "compressor", "channels", "profile", "cost", "trace", "time
         "transport", "topology", "broadcast_buffers", "warmup_iterations", "measure_iterations", "plan_trials")
 # DeepSpeed optimizers that compress their own communication (the momentum, not the gradient)
 COMPRESSED_OPTIMIZERS = ("onebitadam", "onebitlamb", "zerooneadam")
-
-
-def load(config) -> dict:
-    """The DeepSpeed config as a dict, read by DeepSpeed's own loader (dict, JSON/HJSON path or base64)."""
-    try:
-        return load_ds_config(config)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the DeepSpeed config: {exc}") from exc
-
-
-def resolve(args, config, config_params) -> dict | None:
-    """The config `deepspeed.initialize` will use, by its own precedence: `config`, then
-    `config_params`, then ``args.deepspeed_config`` (or the older ``args.deepscale_config``).
-
-    Args:
-        args: the ``args`` given to ``deepspeed.initialize`` (an argparse namespace or None); its
-            ``deepspeed_config`` and ``deepscale_config`` attributes are read when present.
-        config, config_params: the configs given to ``deepspeed.initialize``: a dict, a JSON/HJSON
-            path or a base64 string, or None.
-
-    Returns:
-        The first config given, loaded as a dict; None when none is given.
-
-    Raises:
-        ConfigError: when the chosen config cannot be read.
-    """
-    for candidate in (config, config_params, getattr(args, "deepspeed_config", None),
-                      getattr(args, "deepscale_config", None)):
-        if candidate is not None:
-            return load(candidate)
-    return None
 
 
 @contextmanager
@@ -90,54 +55,56 @@ def wrap_arguments(section) -> WrapArguments:
         return check_wrap_arguments(**arguments, **options)
 
 
-def check_engine_config(ds_config: dict, codec: Codec, model, optimizer, mpu, mesh_param) -> None:
+def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer, mpu, mesh_device) -> None:
     """Refuse DeepSpeed settings under which gradsync cannot own the gradient synchronisation.
 
     Refused: a ZeRO stage other than 0, ``fp16``/``bf16`` mixed precision, ``torch_autocast`` with
     float16, ``managed_gradient_accumulation`` off, no optimizer at all, a compressor combined with
     DeepSpeed's compressed optimizers, a ``communication_data_type`` other than fp32, model, tensor,
-    sequence or expert parallelism, a pipeline module and MoE layers.
+    sequence or expert parallelism, DeepSpeed's hybrid engine, a pipeline module and MoE layers.
 
     Args:
-        ds_config: the resolved DeepSpeed config, as a dict (see `resolve`).
+        config: the engine's DeepSpeed config, as DeepSpeed parsed it.
         codec: the compressor the ``"gradsync"`` section asks for.
-        model: the ``model`` given to ``deepspeed.initialize``; must be a ``torch.nn.Module``.
-        optimizer: the ``optimizer`` given to ``deepspeed.initialize`` (an instance, a class or
-            callable, or None for the config's ``optimizer`` section).
-        mpu, mesh_param: the ``mpu`` and ``mesh_param`` given to ``deepspeed.initialize``; both must be
-            None (they split the model over ranks).
+        model: the model given to the engine; must be a ``torch.nn.Module``.
+        optimizer: the client optimizer given to the engine (an instance, a class or callable, or
+            None for the config's ``optimizer`` section).
+        mpu, mesh_device: the engine's ``mpu`` and ``mesh_device`` (from ``deepspeed.initialize``'s
+            ``mpu`` and ``mesh_param``); both must be None (they split the model over ranks).
 
     Raises:
         ConfigError: naming the first setting refused.
     """
-    stage = zero_stage(ds_config)
+    ds_config = config._param_dict
+    stage = config.zero_optimization_stage
     if stage != 0:
         raise ConfigError(f"gradsync needs ZeRO stage 0 ('zero_optimization.stage' is {stage}): stages 1-3 "
                           "partition gradients and reduce them inside DeepSpeed's optimizer")
-    for key in ("fp16", "bf16", "bfloat16"):
-        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled", False):
+    for key, precision in (("fp16", config.float16_config), ("bf16", config.bfloat16_config)):
+        if precision.enabled:
             raise ConfigError(f"gradsync does not support '{key}.enabled': DeepSpeed's mixed-precision optimizer "
                               "steps fp32 master copies, not the module's parameters; use 'torch_autocast' "
                               "with dtype bfloat16, or fp32")
-    if get_torch_autocast_enabled(ds_config) and get_torch_autocast_dtype(ds_config) == torch.float16:
+    if config.torch_autocast_enabled and config.torch_autocast_dtype == torch.float16:
         raise ConfigError("gradsync does not support 'torch_autocast' with dtype float16: its gradient scaler "
                           "unscales gradients before they are synchronised; use bfloat16")
-    if not get_managed_gradient_accumulation(ds_config):
+    if not config.managed_gradient_accumulation:
         raise ConfigError("gradsync needs 'managed_gradient_accumulation': true: it synchronises during the "
                           "backward pass of the accumulation boundary, which must be known before step()")
-    if ds_config.get("optimizer") is not None and not isinstance(ds_config["optimizer"], dict):
-        raise ConfigError(f"'optimizer' must be an object with a 'type', got {ds_config['optimizer']!r}")
-    if optimizer is None and ds_config.get("optimizer") is None:
+    if optimizer is None and config.optimizer_name is None:
         raise ConfigError("gradsync needs an optimizer: pass one or set 'optimizer' in the DeepSpeed config")
-    if codec.name != "identity" and _optimizer_name(ds_config, optimizer) in COMPRESSED_OPTIMIZERS:
+    optimizer_name = _optimizer_name(config, optimizer)
+    if codec.name != "identity" and optimizer_name in COMPRESSED_OPTIMIZERS:
         raise ConfigError(f"'{SECTION}.compressor' {codec.name!r} cannot be combined with DeepSpeed's compressed "
-                          f"optimizer {_optimizer_name(ds_config, optimizer)!r}: it compresses its own "
-                          "communication; drop one of them")
+                          f"optimizer {optimizer_name!r}: it compresses its own communication; drop one of them")
     communication = ds_config.get("communication_data_type")
     if communication is not None and str(communication).lower() != "fp32":
         raise ConfigError(f"gradsync does not support 'communication_data_type' {communication!r}: it reduces "
                           "the gradients in their own dtype; drop the setting or set \"fp32\"")
-    split = _model_parallelism(ds_config, mpu, mesh_param)
+    if config.hybrid_engine.enabled:
+        raise ConfigError("gradsync does not support DeepSpeed's hybrid engine ('hybrid_engine.enabled'): it "
+                          "switches the model between training and generation, with tensor-parallel inference")
+    split = _model_parallelism(ds_config, mpu, mesh_device)
     if split:
         raise ConfigError("gradsync averages every parameter's gradient over all ranks, so it does not support "
                           "DeepSpeed's model, tensor, sequence or expert parallelism (ranks holding different "
@@ -145,11 +112,11 @@ def check_engine_config(ds_config: dict, codec: Codec, model, optimizer, mpu, me
     _check_model(model)
 
 
-def _model_parallelism(ds_config: dict, mpu, mesh_param) -> list[str]:
+def _model_parallelism(ds_config: dict, mpu, mesh_device) -> list[str]:
     """The arguments and config settings that split the model, the sequence or the experts over ranks."""
     tensor, expert = (ds_config[key] if isinstance(ds_config.get(key), dict) else {}
                       for key in ("tensor_parallel", "expert_parallel"))
-    settings = [("mpu", mpu, (None,)), ("mesh_param", mesh_param, (None,)),
+    settings = [("mpu", mpu, (None,)), ("mesh_param", mesh_device, (None,)),
                 ("tensor_parallel.autotp_size", tensor.get("autotp_size", 0), (0, 1)),
                 ("sequence_parallel_size", ds_config.get("sequence_parallel_size", 1), (1,)),
                 ("expert_parallel.enabled", expert.get("enabled", False), (False,))]
@@ -171,24 +138,11 @@ def _check_model(model) -> None:
                           f"first: {experts[0]!r}) over their expert group only")
 
 
-def zero_stage(ds_config: dict) -> int:
-    """The ZeRO stage the config asks for, as DeepSpeed reads it (a bare boolean means stage 1)."""
-    zero = ds_config.get("zero_optimization", {})
-    if isinstance(zero, bool):
-        return int(zero)
-    if not isinstance(zero, dict):
-        raise ConfigError(f"'zero_optimization' must be an object, got {type(zero).__name__}")
-    try:
-        return int(DeepSpeedZeroConfig(stage=zero.get("stage", 0)).stage)
-    except ValidationError:
-        raise ConfigError(f"'zero_optimization.stage' must be 0, 1, 2 or 3, got {zero['stage']!r}") from None
-
-
-def _optimizer_name(ds_config: dict, optimizer) -> str:
+def _optimizer_name(config: DeepSpeedConfig, optimizer) -> str:
     """The optimizer DeepSpeed will step, lower-case: the client's if given, else the config's."""
     if optimizer is not None:
         return (optimizer.__name__ if isinstance(optimizer, type) else type(optimizer).__name__).lower()
-    return str((ds_config.get("optimizer") or {}).get("type", "")).lower()
+    return (config.optimizer_name or "").lower()
 
 
 def _planner_options(options) -> dict:

@@ -1,58 +1,58 @@
-"""``initialize``: ``deepspeed.initialize`` with gradsync owning the gradient synchronisation.
+"""``build``: DeepSpeed's engine with gradsync owning the gradient synchronisation, when its config
+has a top-level ``"gradsync"`` section (``gradsync.deepspeed_entry`` routes every engine here).
 
 The engine keeps DeepSpeed's loop (``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``,
-gradient accumulation, LR scheduling, checkpoints); gradsync replaces its gradient all-reduce:
+gradient accumulation, LR scheduling, checkpoints, its monitor); gradsync replaces its gradient
+all-reduce:
 - ``engine.enable_backward_allreduce = False`` switches DeepSpeed's own all-reduce off;
 - gradsync's hooks on ``engine.module`` launch the plan's ops during the backward pass of an
   accumulation boundary (the other micro-batches accumulate locally, as under ``no_sync``);
-- ``engine.optimizer`` becomes gradsync's SyncedOptimizer, so the ``optimizer.step()`` DeepSpeed
-  calls at the boundary waits for the ops and applies (or defers) the update, and the optimizer
-  state DeepSpeed checkpoints carries gradsync's codec state and step;
+- ``engine.optimizer`` becomes gradsync's SyncedOptimizer (``deepspeed.initialize`` returns it),
+  so the ``optimizer.step()`` DeepSpeed calls at the boundary waits for the ops and applies (or
+  defers) the update, and the optimizer state DeepSpeed checkpoints carries gradsync's codec state
+  and step;
 - a step skipped for non-finite gradients (``"nonfinite": "skip"``) is the optimizer's
   ``overflow``, as DeepSpeed's fp16 optimizers report one: the engine counts it in
-  ``skipped_steps``, ``was_step_applied()`` is False and the LR scheduler does not advance.
+  ``skipped_steps``, ``was_step_applied()`` is False and the LR scheduler does not advance;
+- each step's statistics go to DeepSpeed's monitor (``tensorboard``, ``wandb``, ``csv_monitor``)
+  as ``Train/gradsync/<name>``, and the plan chosen is logged once, on rank 0.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 from functools import cache
 
-import deepspeed
+from deepspeed.utils import log_dist
 
 from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, no_sync
-from .config import SECTION, check_engine_config, resolve, wrap_arguments
+from .config import SECTION, check_engine_config, wrap_arguments
+
+MONITOR_PREFIX = "Train/gradsync/"
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, config=None, **kwargs):
-    """A drop-in for ``deepspeed.initialize`` returning its tuple ``(engine, optimizer,
-    training_dataloader, lr_scheduler)``. With a top-level ``"gradsync"`` section in the config,
-    the section and the DeepSpeed settings gradsync depends on are checked first (ConfigError
-    before any collective), then the engine is built and gradsync attached; without one this is
-    ``deepspeed.initialize`` unchanged.
+def build(init, engine, *args, **kwargs) -> None:
+    """``DeepSpeedEngine.__init__`` (`init`, called with `engine`, `args` and `kwargs`) honouring
+    the ``"gradsync"`` section of its config; without the section, `init` alone.
 
-    With gradsync attached, the optimizer returned is the engine's, gradsync's SyncedOptimizer.
-
-    Args:
-        args, model, optimizer, model_parameters, config: passed on to ``deepspeed.initialize``
-            unchanged; gradsync also reads the config from `config`, ``config_params`` or `args` (as
-            DeepSpeed does) and checks `model` and `optimizer` (see ``check_engine_config``).
-        **kwargs: passed on to ``deepspeed.initialize`` unchanged (``training_data``, ``lr_scheduler``,
-            ``mpu``, ``config_params``, ...); ``mpu`` and ``mesh_param`` must be None with gradsync.
+    1. The section and the DeepSpeed settings gradsync depends on are checked: ConfigError naming
+       the key before the engine starts anything (no collective, no broadcast of the weights).
+    2. `init` builds DeepSpeed's engine.
+    3. gradsync is attached (`attach`).
 
     Raises:
         ConfigError: for a bad ``"gradsync"`` section or a DeepSpeed setting gradsync does not support.
     """
-    ds_config = resolve(args, config, kwargs.get("config_params"))
-    if ds_config is None or SECTION not in ds_config:
-        return deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                    config=config, **kwargs)
-    arguments = wrap_arguments(ds_config[SECTION])
-    check_engine_config(ds_config, arguments.codec, model, optimizer, kwargs.get("mpu"),
-                        kwargs.get("mesh_param"))
-    engine, _, dataloader, lr_scheduler = deepspeed.initialize(
-        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, config=config, **kwargs)
+    call = inspect.signature(init).bind(engine, *args, **kwargs).arguments
+    config = call["config_class"]
+    if SECTION not in config._param_dict:
+        init(engine, *args, **kwargs)
+        return
+    arguments = wrap_arguments(config._param_dict[SECTION])
+    check_engine_config(config, arguments.codec, call["model"], call.get("optimizer"), call.get("mpu"),
+                        call.get("mesh_device"))
+    init(engine, *args, **kwargs)
     attach(engine, arguments)
-    return engine, engine.optimizer, dataloader, lr_scheduler
 
 
 def attach(engine, arguments: WrapArguments) -> None:
@@ -62,7 +62,10 @@ def attach(engine, arguments: WrapArguments) -> None:
     engine.enable_backward_allreduce = False
     engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.gradsync = attached(engine.module)
+    engine.gradsync_logged_iteration = -1
+    engine.gradsync_plan_logged = False
     engine.__class__ = _with_gradsync(type(engine))
+    engine.log_gradsync_plan(f"attached to {type(engine.module).__name__}")
 
 
 class DeepSpeedSyncedOptimizer(SyncedOptimizer):
@@ -82,6 +85,28 @@ class GradSyncEngine:
         local = self.inside_no_sync_ctxt or not self.is_gradient_accumulation_boundary()
         with no_sync(self.module) if local else contextlib.nullcontext():
             return super().backward(loss, *args, **kwargs)
+
+    def step(self, *args, **kwargs):
+        """DeepSpeed's step, then the iteration's statistics to its monitor (rank 0's)."""
+        output = super().step(*args, **kwargs)
+        report = self.gradsync.report()
+        latest = report.latest
+        if latest is not None and latest.iteration > self.gradsync_logged_iteration:
+            self.gradsync_logged_iteration = latest.iteration
+            if self.monitor.enabled and self.global_rank == 0:
+                self.monitor.write_events([(MONITOR_PREFIX + name, value, self.global_samples)
+                                           for name, value in latest.metrics(report.gradient_bytes).items()])
+        if not self.gradsync_plan_logged and not report.measuring:
+            self.log_gradsync_plan(f"chosen after {report.iteration} iterations of measurement")
+        return output
+
+    def log_gradsync_plan(self, when: str) -> None:
+        """One line on rank 0 to DeepSpeed's logger: `when`, then the plan that runs (or that the
+        measurement runs first)."""
+        report = self.gradsync.report()
+        self.gradsync_plan_logged = not report.measuring
+        log_dist(f"gradsync ({report.scheduler}, compressor {report.compressor}): {when}; {report.plan_summary()}",
+                 ranks=[0])
 
     def zero_grad(self):
         """Through gradsync: a module whose update is deferred to its next forward keeps its

@@ -76,6 +76,16 @@ class SyncReport:
         """The layout a steady step sends first (ACP-SGD: the P step)."""
         return self.layouts[self.steady_layouts[0]]
 
+    def plan_summary(self) -> str:
+        """One line on what runs: each steady layout's plan (its planner, ops and predicted
+        iteration time), or that the measurement runs first."""
+        if self.measuring:
+            return "timing the layers, the network and the candidate plans before the plan is chosen"
+        return "; ".join(f"{layout}: {summary['chosen']} plan of {summary['ops']} op(s), "
+                         f"{summary['predicted_ms']:.1f} ms predicted"
+                         for layout, summary in ((layout, self.layouts[layout].summary())
+                                                 for layout in self.steady_layouts))
+
     @property
     def chosen(self) -> str:
         """The planner whose plans the steady layouts run (a choosing planner's choice)."""

@@ -27,6 +27,14 @@ class IterationStats:
     compute_scale: float = 1.0  # the factor on the profile's times the prediction was made with
     codec_time: float = 0.0  # the codec's encoding in this step and decoding in this iteration's waits
 
+    def metrics(self, gradient_bytes: int) -> dict[str, float]:
+        """What the front-ends log per iteration: measured and predicted time, non-overlapped
+        communication (comm_wait), the codec's encoding and decoding (codec_time), bytes sent by
+        this rank and the compression ratio (bytes sent / `gradient_bytes`, the uncompressed ones)."""
+        return {"iteration_time": self.iteration_time, "predicted_time": self.predicted_time,
+                "comm_wait": self.comm_wait, "codec_time": self.codec_time, "bytes_sent": float(self.bytes_sent),
+                "compression_ratio": self.bytes_sent / gradient_bytes}
+
 
 class IterationClock:
     """Splits the current iteration's time into communication wait, update time (serial work
