@@ -1,5 +1,5 @@
-"""CostModel: the time of one all-reduce, a + b·bytes, its contention factor γ, and the compute
-time each op costs the rank that launches it.
+"""CostModel: the time of one all-reduce, a + b·bytes, and of one reduce-scatter, its contention
+factor γ, and the compute time each op costs the rank that launches it.
 
 Equation references: asc-wfbp eq. 3 (a + b·m) and eqs. 9–11 (γ for simultaneous all-reduces);
 mg-wfbp eq. 9 and Table II (a and b from the network's α, β and summation time per algorithm);
@@ -8,12 +8,13 @@ us-byte eq. 1 (an empty all-reduce costs nothing) and eq. 14 (ring).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import dataclass, field, fields as dataclass_fields, replace
 from typing import Sequence
 
 import numpy as np
 
 from .errors import ConfigError, unknown_name
+from .plan import ALLREDUCE, COLLECTIVES, REDUCE_SCATTER
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,10 @@ class CostModel:
     `transfer_slowdown`, how many times slower an op progresses while the computation runs;
     `ops_per_channel`, how many ops one channel runs at once (an NCCL communicator runs one, a gloo
     process group one per worker thread, two by default). The papers' model has host = 0 and both
-    slowdowns 1 (their ops and computation never meet) and one op per channel."""
+    slowdowns 1 (their ops and computation never meet) and one op per channel.
+    `reduce_scatter_a` and `reduce_scatter_b`: a reduce-scatter's ``a + b·bytes`` (the whole
+    buffer's bytes; each rank receives its partition), fitted on its own; None: half the
+    all-reduce's (a ring all-reduce is a reduce-scatter and an all-gather of equal cost)."""
 
     a: float
     b: float
@@ -45,6 +49,8 @@ class CostModel:
     compute_slowdown: float = 1.0
     transfer_slowdown: float = 1.0
     ops_per_channel: int = 1
+    reduce_scatter_a: float | None = None
+    reduce_scatter_b: float | None = None
     fit_report: FitReport | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -65,19 +71,56 @@ class CostModel:
                 raise ConfigError(f"cost model: '{attr}' must be a finite number >= 1, got {value!r}")
         if isinstance(self.ops_per_channel, bool) or not isinstance(self.ops_per_channel, int) or self.ops_per_channel < 1:
             raise ConfigError(f"cost model: 'ops_per_channel' must be an integer >= 1, got {self.ops_per_channel!r}")
+        given = [attr for attr in ("reduce_scatter_a", "reduce_scatter_b") if getattr(self, attr) is not None]
+        if len(given) == 1:
+            raise ConfigError(f"cost model: {given[0]!r} needs its pair: give both 'reduce_scatter_a' and "
+                              "'reduce_scatter_b', or neither (half the all-reduce's)")
+        for attr in given:
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ConfigError(f"cost model: {attr!r} must be a finite number > 0, got {value!r}")
 
     def allreduce_time(self, nbytes: float) -> float:
         """T_ar(m) = a + b·m, and 0 for an empty message (us-byte eq. 1)."""
         return 0.0 if nbytes <= 0 else self.a + self.b * nbytes
+
+    def terms(self, collective: str = ALLREDUCE) -> tuple[float, float]:
+        """(a, b) of `collective` over a buffer of m bytes: the all-reduce's (asc-wfbp eq. 3), or the
+        reduce-scatter's, fitted or half the all-reduce's."""
+        if collective == ALLREDUCE:
+            return self.a, self.b
+        if collective != REDUCE_SCATTER:
+            raise unknown_name("collective", collective, COLLECTIVES)
+        if self.reduce_scatter_a is None:
+            return self.a / 2, self.b / 2
+        return self.reduce_scatter_a, self.reduce_scatter_b
+
+    def for_collective(self, collective: str) -> "CostModel":
+        """This model with `collective`'s a and b as its all-reduce terms. Planners plan every op
+        with a + b·m, so a plan of reduce-scatters is planned as any other, on this model."""
+        if collective == ALLREDUCE:
+            return self
+        a, b = self.terms(collective)
+        return replace(self, a=a, b=b, reduce_scatter_a=None, reduce_scatter_b=None, name=f"{self.name} ({collective})",
+                       fit_report=None)
+
+    def with_reduce_scatter_fit(self, sizes: Sequence[float], times: Sequence[float], clamp: bool = False) -> "CostModel":
+        """This model with a reduce-scatter's a and b fitted by least squares on (bytes, seconds)
+        samples, as `fit` fits the all-reduce's (same arguments, same refusals)."""
+        a, b, _ = _least_squares(sizes, times, clamp)
+        return replace(self, reduce_scatter_a=a, reduce_scatter_b=b)
 
     def penalty(self, overlapped_bytes: float) -> float:
         """Extra time of an all-reduce whose `overlapped_bytes` travel beside another (asc-wfbp eq. 11)."""
         return (self.gamma - 1.0) * self.b * overlapped_bytes
 
     def to_dict(self) -> dict:
+        fitted = {} if self.reduce_scatter_a is None else {"reduce_scatter_a": self.reduce_scatter_a,
+                                                           "reduce_scatter_b": self.reduce_scatter_b}
         return {"name": self.name, "a": self.a, "b": self.b, "gamma": self.gamma, "host": self.host,
                 "compute_slowdown": self.compute_slowdown, "transfer_slowdown": self.transfer_slowdown,
-                "ops_per_channel": self.ops_per_channel}
+                "ops_per_channel": self.ops_per_channel, **fitted}
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
@@ -104,7 +147,9 @@ class CostModel:
         gamma: float = 1.0,
         name: str | None = None,
     ) -> "CostModel":
-        """a and b of an N-worker all-reduce from point-to-point α + β·M (mg-wfbp Table II).
+        """a and b of an N-worker all-reduce from point-to-point α + β·M (mg-wfbp Table II), and
+        for "ring" and "halving_doubling" those of the reduce-scatter that is their first half
+        ((N−1)α or α·log₂N, and (N−1)/N·(β + sum_time): every summation happens in it).
 
         `sum_time` is the time to add two numbers per byte (Table II's γ; not the contention γ).
 
@@ -130,7 +175,10 @@ class CostModel:
         if algorithm not in formulas:
             raise unknown_name("all-reduce algorithm", algorithm, formulas)
         a, b = formulas[algorithm]
-        return cls(a, b, gamma, name or f"{algorithm}-{n}")
+        reduce_scatter = {"ring": ((n - 1) * alpha, (n - 1) / n * (beta + sum_time)),
+                          "halving_doubling": (alpha * log_n, (n - 1) / n * (beta + sum_time))}
+        rs_a, rs_b = reduce_scatter.get(algorithm, (None, None))
+        return cls(a, b, gamma, name or f"{algorithm}-{n}", reduce_scatter_a=rs_a, reduce_scatter_b=rs_b)
 
     @classmethod
     def preset(cls, name: str, workers: int | None = None) -> "CostModel":
@@ -170,30 +218,7 @@ class CostModel:
             name: the model's name.
             clamp: raise the fitted a and b to at least those smallest values instead of refusing a ≤ 0 or b ≤ 0.
         """
-        x = np.asarray(sizes, dtype=float)
-        y = np.asarray(times, dtype=float)
-        if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
-            raise ConfigError("cost fit: needs at least two distinct sizes with one time each")
-        if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(y)):
-            raise ConfigError("cost fit: sizes must be >= 0 and times finite and > 0")
-        design = np.stack([np.ones_like(x), x], axis=1)
-        (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
-        if clamp:
-            a, b = max(a, 0.01 * float(y.min())), max(b, 1e-15)
-        if a <= 0 or b <= 0:
-            raise ConfigError(
-                f"cost fit: the samples give a={a:.3g}, b={b:.3g}; both must be > 0 "
-                "(measure more sizes, larger ones for b, smaller ones for a)"
-            )
-        predicted = a + b * x
-        residual = y - predicted
-        total = float(np.sum((y - y.mean()) ** 2))
-        report = FitReport(
-            samples=int(x.size),
-            r_squared=1.0 - float(np.sum(residual**2)) / total if total > 0 else 1.0,
-            rmse=float(np.sqrt(np.mean(residual**2))),
-            max_relative_error=float(np.max(np.abs(residual) / y)),
-        )
+        a, b, report = _least_squares(sizes, times, clamp)
         gamma = 1.0
         if len(concurrent_sizes):
             cx = np.asarray(concurrent_sizes, dtype=float)
@@ -203,6 +228,34 @@ class CostModel:
             excess = cy - a
             gamma = max(1.0, float(np.dot(excess, b * cx) / np.dot(b * cx, b * cx)))
         return cls(float(a), float(b), gamma, name, fit_report=report)
+
+
+def _least_squares(sizes: Sequence[float], times: Sequence[float], clamp: bool) -> tuple[float, float, FitReport]:
+    """a and b of a + b·m fitted to (bytes, seconds) samples, and the fit's quality (`CostModel.fit`)."""
+    x = np.asarray(sizes, dtype=float)
+    y = np.asarray(times, dtype=float)
+    if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
+        raise ConfigError("cost fit: needs at least two distinct sizes with one time each")
+    if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(y)):
+        raise ConfigError("cost fit: sizes must be >= 0 and times finite and > 0")
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+    if clamp:
+        a, b = max(a, 0.01 * float(y.min())), max(b, 1e-15)
+    if a <= 0 or b <= 0:
+        raise ConfigError(
+            f"cost fit: the samples give a={a:.3g}, b={b:.3g}; both must be > 0 "
+            "(measure more sizes, larger ones for b, smaller ones for a)"
+        )
+    residual = y - (a + b * x)
+    total = float(np.sum((y - y.mean()) ** 2))
+    report = FitReport(
+        samples=int(x.size),
+        r_squared=1.0 - float(np.sum(residual**2)) / total if total > 0 else 1.0,
+        rmse=float(np.sqrt(np.mean(residual**2))),
+        max_relative_error=float(np.max(np.abs(residual) / y)),
+    )
+    return float(a), float(b), report
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ BACKWARD = "backward"
 FORWARD = "forward"
 PHASES = (BACKWARD, FORWARD)
 TRANSPORTS = ("allreduce", "forest")
+ALLREDUCE = "allreduce"
+REDUCE_SCATTER = "reduce_scatter"
+COLLECTIVES = (ALLREDUCE, REDUCE_SCATTER)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class Op:
     priority: the planner's priority (lower is more urgent); informative, plan order rules.
     deferred: a backward op that gates the next forward layer by layer, as forward ops do, instead
     of the optimizer step (us-byte Fig. 1: F_l depends on F_(l−1) and AR_l alone).
+    collective: ``allreduce`` (every rank receives the averaged slices) or ``reduce_scatter``
+    (each rank receives its own partition of them, as ZeRO's sharded optimizers need).
     """
 
     slices: tuple[Slice, ...]
@@ -48,6 +53,7 @@ class Op:
     codec: str = "identity"
     transport: str = "allreduce"
     deferred: bool = False
+    collective: str = ALLREDUCE
 
     @property
     def gates_forward(self) -> bool:
@@ -82,6 +88,11 @@ class Plan:
         """The same plan with every op carried by `transport` (a runtime choice, not a planner's)."""
         return replace(self, ops=tuple(replace(op, transport=transport) for op in self.ops))
 
+    def with_collective(self, collective: str) -> "Plan":
+        """The same plan with every op a `collective` (planned with that collective's cost:
+        ``CostModel.for_collective``)."""
+        return replace(self, ops=tuple(replace(op, collective=collective) for op in self.ops))
+
     def with_deferred_waits(self) -> "Plan":
         """The same plan with every backward op deferred: the next forward waits for each layer's
         ops, the step for none (``overlap_forward`` in the options)."""
@@ -106,6 +117,7 @@ class Plan:
                     "codec": op.codec,
                     "transport": op.transport,
                     **({"deferred": True} if op.deferred else {}),
+                    **({"collective": op.collective} if op.collective != ALLREDUCE else {}),
                 }
                 for op in self.ops
             ],
@@ -129,6 +141,7 @@ class Plan:
                     entry.get("codec", "identity"),
                     entry.get("transport", "allreduce"),
                     _flag(entry.get("deferred", False), "deferred"),
+                    entry.get("collective", ALLREDUCE),
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"plan JSON: ops[{index}] is malformed: {exc}") from exc
@@ -158,7 +171,8 @@ class Plan:
         - every gradient element is covered by exactly one slice, and slices lie in their tensor;
         - an op carries one element size (fp32/fp16/bf16 gradients never share a buffer);
         - offsets, lengths, channels and priorities are integers, codecs strings;
-        - phases, transports and channels are valid, channels numbered 0..C-1 with none unused;
+        - phases, transports, collectives and channels are valid, channels numbered 0..C-1 with
+          none unused, and forest ops all-reduces (its trees reduce and broadcast);
         - on each channel, no backward op follows a forward op: forward ops only launch once the
           backward pass is over, so a backward op queued behind one could not start when its
           slices are ready.
@@ -173,6 +187,11 @@ class Plan:
                 raise ConfigError(f"{where}: 'phase' must be one of {PHASES}, got {op.phase!r}")
             if op.transport not in TRANSPORTS:
                 raise ConfigError(f"{where}: 'transport' must be one of {TRANSPORTS}, got {op.transport!r}")
+            if op.collective not in COLLECTIVES:
+                raise ConfigError(f"{where}: 'collective' must be one of {COLLECTIVES}, got {op.collective!r}")
+            if op.collective != ALLREDUCE and op.transport != "allreduce":
+                raise ConfigError(f"{where}: a {op.collective} runs on transport 'allreduce' only (the forest's "
+                                  "trees all-reduce)")
             if op.deferred and op.phase != BACKWARD:
                 raise ConfigError(f"{where}: only backward ops can be 'deferred' (forward ops always gate the forward)")
             problem = _type_problem(op)
@@ -233,7 +252,8 @@ def _type_problem(op: Op) -> str | None:
     for name, value in [*fields, ("channel", op.channel), ("priority", op.priority)]:
         if not _is_integer(value):
             return f"{name!r} must be an integer, got {value!r}"
-    strings = [(f"slices[{i}].tensor", s.tensor) for i, s in enumerate(op.slices)] + [("codec", op.codec)]
+    strings = [(f"slices[{i}].tensor", s.tensor) for i, s in enumerate(op.slices)] + [("codec", op.codec),
+                                                                                       ("collective", op.collective)]
     for name, value in strings:
         if not isinstance(value, str):
             return f"{name!r} must be a string, got {value!r}"

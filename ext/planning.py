@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from .compress.codec import Codec
 from .compress.wire import codec_seconds, wire_profile
 from .cost import CostModel
-from .plan import Plan
+from .plan import ALLREDUCE, Plan
 from .planners import BoundPlanner, chosen_label
 from .profile import LayerProfile, ModelProfile
 from .simulate import simulate
@@ -23,9 +23,10 @@ class LayoutPlan:
 
 
 def plan_layouts(profile: ModelProfile, cost: CostModel, planner: BoundPlanner, codec: Codec,
-                 flops_per_second: float | None = None) -> dict[str, LayoutPlan]:
+                 flops_per_second: float | None = None, collective: str = ALLREDUCE) -> dict[str, LayoutPlan]:
     """The planner's plan of every layout of `codec`, each made on that layout's wire profile with
-    the planner's byte thresholds scaled by the layout's compression rate.
+    the planner's byte thresholds scaled by the layout's compression rate, its ops `collective`s
+    planned with that collective's cost (``CostModel.for_collective``).
 
     Args:
         profile: the model's uncompressed profile.
@@ -34,12 +35,14 @@ def plan_layouts(profile: ModelProfile, cost: CostModel, planner: BoundPlanner, 
         codec: the compressor, set up on the profile's tensors.
         flops_per_second: models the codec's encoding and decoding time (None: a measured
             profile, whose serial codec work is in its update time).
+        collective: ``allreduce``, or ``reduce_scatter`` where each rank needs only its partition.
     """
     tensors = [spec for layer in profile.layers for spec in layer.tensors]
     result = {}
     for layout in codec.layouts():
         wire = wire_profile(profile, codec, layout, flops_per_second)
-        plan = planner.scaled(wire.total_bytes / profile.total_bytes)(wire, cost).validate(wire)
+        scaled = planner.scaled(wire.total_bytes / profile.total_bytes)
+        plan = scaled(wire, cost.for_collective(collective)).with_collective(collective).validate(wire)
         labelled = tuple(replace(op, codec=codec.name) for op in plan.ops)
         result[layout] = LayoutPlan(Plan(labelled, plan.planner, plan.options), wire,
                                     codec_seconds(tensors, codec, layout, flops_per_second))

@@ -5,7 +5,8 @@ Time 0 is the start of the backward pass (us-byte §3). Layers run backward from
 when the backward pass has ended: us-byte eq. 9); it starts once ready, once the op before it on
 its channel has started and once its channel runs fewer than the cost model's `ops_per_channel`
 ops: with one (the papers' model), once the op before it has finished (eq. 3). An op lasts ``a``
-(start-up) and then transmits ``b·bytes`` of work; while k ops transmit at once each progresses at
+(start-up) and then transmits ``b·bytes`` of work, with the a and b of its collective (an
+all-reduce's, or a reduce-scatter's); while k ops transmit at once each progresses at
 1/s(k) of its solo rate, s(k) = 1 + (γ − 1)(k − 1), which for k = 2 is the a + γ·b·m of asc-wfbp
 eq. 9 and for one op the a + b·m of eq. 3. The next forward starts when the backward pass and the
 backward-phase ops that are not deferred are done and the update of the layers they carry
@@ -33,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from .cost import CostModel
-from .plan import BACKWARD, FORWARD, Plan, ops_by_channel
+from .plan import ALLREDUCE, BACKWARD, FORWARD, Plan, ops_by_channel
 from .profile import ModelProfile
 
 
@@ -92,9 +93,11 @@ class InFlight:
         self.transmitting: dict[int, float] = {}  # op -> remaining solo transmission time
         self.work: dict[int, float] = {}
 
-    def start(self, op: int, nbytes: int) -> None:
-        self.starting[op] = self.cost.a
-        self.work[op] = self.cost.b * nbytes
+    def start(self, op: int, nbytes: int, collective: str = ALLREDUCE) -> None:
+        """Op `op` of `nbytes` starts: a `collective` with the cost model's terms for it."""
+        a, b = self.cost.terms(collective)
+        self.starting[op] = a
+        self.work[op] = b * nbytes
 
     @property
     def active(self) -> bool:
@@ -244,7 +247,7 @@ def simulate(plan: Plan, profile: ModelProfile, cost: CostModel) -> Timeline:
                 index = queue.pop()
                 running_on[channel] += 1
                 start[index] = clock
-                in_flight.start(index, nbytes[index])
+                in_flight.start(index, nbytes[index], plan.ops[index].collective)
         running = task < len(tasks) and not waiting
         slowdown = cost.compute_slowdown if in_flight.transmits else 1.0
         pace = cost.transfer_slowdown if running and remaining > 0 else 1.0

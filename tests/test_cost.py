@@ -101,3 +101,50 @@ def test_clamped_fit_keeps_unresolvable_terms_positive():
     cost = CostModel.fit(sizes, falling, clamp=True)
     _, intercept = np.polyfit(sizes, falling, 1)
     assert cost.b == 1e-15 and cost.a == pytest.approx(intercept)
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_a_ring_all_reduce_is_its_reduce_scatter_then_a_ring_all_gather(workers):
+    """The reduce-scatter holds every summation, (N−1)α + (N−1)/N·(β + sum)·m; the all-gather
+    after it, (N−1)α + (N−1)/N·β·m, completes Table II's ring all-reduce."""
+    alpha, beta, add = 5e-6, 1e-9, 1e-10
+    n = workers
+    ring = CostModel.from_network(alpha, beta, n, sum_time=add)
+    a, b = ring.terms("reduce_scatter")
+    assert (a, b) == pytest.approx(((n - 1) * alpha, (n - 1) / n * (beta + add)))
+    assert (a + (n - 1) * alpha, b + (n - 1) / n * beta) == pytest.approx((ring.a, ring.b))
+    halving = CostModel.from_network(alpha, beta, 8, sum_time=add, algorithm="halving_doubling")
+    assert halving.terms("reduce_scatter") == pytest.approx((3 * alpha, 7 / 8 * (beta + add)))
+
+
+def test_reduce_scatter_without_its_own_terms_costs_half_an_all_reduce():
+    cost = CostModel(1e-3, 2e-9)
+    assert cost.terms() == (1e-3, 2e-9)
+    assert cost.terms("reduce_scatter") == pytest.approx((0.5e-3, 1e-9))
+    planned = cost.for_collective("reduce_scatter")
+    assert (planned.a, planned.b) == pytest.approx((0.5e-3, 1e-9)) and planned.terms("reduce_scatter") == (
+        planned.a / 2, planned.b / 2)
+    assert cost.for_collective("allreduce") is cost
+    with pytest.raises(ConfigError, match="unknown collective 'broadcast'"):
+        cost.terms("broadcast")
+
+
+def test_reduce_scatter_terms_fitted_on_their_own():
+    sizes = np.array([0, 1e5, 1e6, 4e6])
+    cost = CostModel(1e-3, 2e-9).with_reduce_scatter_fit(sizes, 3e-4 + 7e-10 * sizes)
+    assert cost.terms("reduce_scatter") == pytest.approx((3e-4, 7e-10))
+    assert (cost.a, cost.b) == (1e-3, 2e-9)
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    assert "reduce_scatter_a" not in CostModel(1e-3, 2e-9).to_dict()
+    with pytest.raises(ConfigError, match="two distinct sizes"):
+        cost.with_reduce_scatter_fit([1e6, 1e6], [1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("terms, needle", [
+    ({"reduce_scatter_a": 1e-4}, "needs its pair"),
+    ({"reduce_scatter_a": 1e-4, "reduce_scatter_b": 0.0}, "'reduce_scatter_b' must be a finite number > 0"),
+    ({"reduce_scatter_a": float("nan"), "reduce_scatter_b": 1e-9}, "'reduce_scatter_a' must be a finite number"),
+])
+def test_bad_reduce_scatter_terms(terms, needle):
+    with pytest.raises(ConfigError, match=needle):
+        CostModel(1e-3, 2e-9, **terms)

@@ -108,3 +108,20 @@ def test_json_fields_are_never_converted(op, message):
 def test_validate_refuses_fields_of_the_wrong_type(op, message):
     with pytest.raises(ConfigError, match=message):
         plan_of(op).validate(PROFILE)
+
+
+def test_reduce_scatter_ops_round_trip_and_change_the_hash():
+    plan = Plan((Op((Slice("w", 0, 4),)),))
+    scattered = plan.with_collective("reduce_scatter")
+    assert "collective" not in plan.to_json() and '"collective": "reduce_scatter"' in scattered.to_json()
+    assert Plan.from_json(scattered.to_json()) == scattered and scattered.hash != plan.hash
+
+
+@pytest.mark.parametrize("op, needle", [
+    (Op((Slice("w", 0, 4),), collective="broadcast"), "'collective' must be one of"),
+    (Op((Slice("w", 0, 4),), collective="reduce_scatter", transport="forest"), "transport 'allreduce' only"),
+])
+def test_bad_collectives_are_refused(op, needle):
+    profile = ModelProfile("one", (LayerProfile("l", (TensorSpec("w", 4),), 0.0, 0.0),))
+    with pytest.raises(ConfigError, match=needle):
+        Plan((op,)).validate(profile)
