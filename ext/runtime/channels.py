@@ -86,6 +86,13 @@ class Channels:
             return self.forests[channel].all_reduce(tensor, async_op=True)
         return dist.all_reduce(tensor, group=self.groups[channel], async_op=True)
 
+    def reduce_scatter(self, channel: int, output, inputs):
+        """Start a sum reduce-scatter on `channel`: rank r's `output` receives the sum over ranks of
+        their `inputs[r]` (sizes may differ between ranks' parts); returns the work handle."""
+        if self.forests:
+            raise ConfigError("the forest transport runs all-reduces only, not reduce-scatters")
+        return dist.reduce_scatter(output, inputs, group=self.groups[channel], async_op=True)
+
     def destroy(self) -> None:
         for forest in self.forests:
             forest.close()

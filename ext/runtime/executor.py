@@ -26,8 +26,9 @@ from torch.profiler import record_function
 from ..compress import Codec
 from ..compress.gradients import checksum, every_element_finite
 from ..errors import ConfigError
-from ..plan import BACKWARD, Plan, ops_by_channel
+from ..plan import BACKWARD, REDUCE_SCATTER, Plan, ops_by_channel
 from .channels import Channels
+from .partition import Partition
 
 
 @dataclass
@@ -40,6 +41,12 @@ class _OpState:
     buffer: torch.Tensor
     views: list[torch.Tensor]  # the buffer's span of each slice
     label: str  # "op<index in the plan>", in torch.profiler's ranges
+    flags: list[torch.Tensor]  # the buffer's flag spans: one, or one after each rank's segment
+    # a reduce-scatter's: each rank's (start, end) of the buffer, what this rank receives, and the
+    # slices it lands from there (tensor, offset, length, position in `received`)
+    segments: list[tuple[int, int]] | None = None
+    received: torch.Tensor | None = None
+    own_slices: list[tuple[str, int, int, int]] | None = None
     gathered: list[torch.Tensor] | None = None
     waiting_for: set[str] = field(default_factory=set)
     work: object = None
@@ -52,10 +59,12 @@ class NonFiniteGradient(FloatingPointError):
 
 
 class PlanExecutor:
-    """Runs `plan` (made on the codec's wire sizes) over `parameters` on `channels`."""
+    """Runs `plan` (made on the codec's wire sizes) over `parameters` on `channels`; its
+    reduce-scatters deliver each rank the elements `partition` gives it (the others' spans of its
+    gradients keep this rank's own values)."""
 
     def __init__(self, plan: Plan, parameters: dict, channels: Channels, codec: Codec | None = None,
-                 layout: str = "plain", nonfinite: str = "raise", trace=None):
+                 layout: str = "plain", nonfinite: str = "raise", trace=None, partition: Partition | None = None):
         if plan.channels > len(channels):
             raise ConfigError(f"plan uses {plan.channels} channels but only {len(channels)} were created "
                               "(raise 'channels')")
@@ -66,6 +75,7 @@ class PlanExecutor:
         self.layout = layout
         self.nonfinite = nonfinite
         self.trace = trace
+        self.partition = partition
         self.ops = [self._op_state(op, index) for index, op in enumerate(plan.ops)]
         self.decode_seconds = 0.0  # time spent in the codec's finish, in all (inside the waits)
         self.encode_seconds = 0.0  # time spent in the codec's encode in the current step
@@ -87,15 +97,46 @@ class PlanExecutor:
         if len(dtypes) > 1:
             raise ConfigError(f"an op mixes gradient dtypes {sorted(map(str, dtypes))} ({tensors[:4]}): "
                               "they cannot share a fusion buffer")
+        device = self.parameters[tensors[0]].device
+        dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
+        label, flag_count = f"op{index}", len(tensors) + 1
+        if op.collective == REDUCE_SCATTER:
+            return self._reduce_scatter_state(op, tensors, device, dtype, label)
         slices, position = [], 0
         for s in op.slices:
             slices.append((s.tensor, s.offset, s.length, position))
             position += s.length
-        device = self.parameters[tensors[0]].device
-        dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
-        buffer = torch.zeros(position + len(tensors) + 1, dtype=dtype, device=device)  # + flags
+        buffer = torch.zeros(position + flag_count, dtype=dtype, device=device)
         views = [buffer[position:position + length] for _, _, length, position in slices]
-        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, f"op{index}")
+        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label,
+                        [buffer[position:]])
+
+    def _reduce_scatter_state(self, op, tensors: list[str], device, dtype, label: str) -> _OpState:
+        """A reduce-scatter's buffer: each rank's segment (the parts of the op's slices it owns, in
+        slice order) followed by the flags, so that every rank also receives the summed flags."""
+        if self.partition is None or self.codec.name != Codec.name:
+            raise ConfigError("a reduce_scatter op needs a partition of the gradients and no compressor (a "
+                              "compressor's wire is not the gradient's elements)")
+        parts = [[] for _ in range(self.channels.world_size)]
+        for s in op.slices:
+            for rank, start, length in self.partition.split(s.tensor, s.offset, s.length):
+                parts[rank].append((s.tensor, start, length))
+        flag_count = len(tensors) + 1
+        slices, segments, position = [], [], 0
+        for rank_parts in parts:
+            begin = position
+            for name, start, length in rank_parts:
+                slices.append((name, start, length, position))
+                position += length
+            segments.append((begin, position + flag_count))
+            position += flag_count
+        buffer = torch.zeros(position, dtype=dtype, device=device)
+        views = [buffer[at:at + length] for _, _, length, at in slices]
+        flags = [buffer[end - flag_count:end] for _, end in segments]
+        begin, end = segments[self.channels.rank]
+        own = [(name, start, length, at - begin) for name, start, length, at in slices if begin <= at < end]
+        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label, flags,
+                        segments, torch.zeros(end - begin, dtype=dtype, device=device), own)
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
@@ -160,6 +201,9 @@ class PlanExecutor:
                 state.gathered = [torch.empty_like(state.buffer) for _ in range(self.channels.world_size)]
                 state.work = dist.all_gather(state.gathered, state.buffer, group=self.channels.groups[state.channel],
                                              async_op=True)
+            elif state.segments is not None:
+                state.work = self.channels.reduce_scatter(
+                    state.channel, state.received, [state.buffer[start:end] for start, end in state.segments])
             else:
                 state.work = self.channels.all_reduce(state.channel, state.buffer)
 
@@ -175,11 +219,13 @@ class PlanExecutor:
                 target.copy_(_span(wire, offset, length))
             else:  # the all-reduce sums each rank's share of the mean: copy and divide in one pass
                 torch.div(_span(wire, offset, length), self.channels.world_size, out=target)
-        data_end = _data_end(state)
-        flags = [1.0 if self._used(name) else 0.0 for name in state.tensors] + [0.0]
-        buffer[data_end:].copy_(torch.tensor(flags, dtype=buffer.dtype))
-        if buffer.is_floating_point():
-            buffer[-1:].copy_(~torch.isfinite(checksum(buffer[:data_end])))
+        flags = torch.tensor([1.0 if self._used(name) else 0.0 for name in state.tensors] + [0.0], dtype=buffer.dtype)
+        for span in state.flags:
+            span.copy_(flags)
+        if buffer.is_floating_point():  # the used flags are 0 or 1: the sum is not finite only for the data
+            nonfinite = ~torch.isfinite(checksum(buffer))
+            for span in state.flags:
+                span[-1:].copy_(nonfinite)
 
     # -- completion --------------------------------------------------------------------------------
     def wait(self, index: int) -> None:
@@ -213,27 +259,31 @@ class PlanExecutor:
 
     def _unpack(self, state: _OpState) -> None:
         """The reduced buffer's flags checked and its spans landed where the codec takes them."""
-        data_end = _data_end(state)
+        flag_count = len(state.tensors) + 1
+        slices = state.slices if state.own_slices is None else state.own_slices
         if state.gathered is not None:
-            data = torch.stack([b[:data_end] for b in state.gathered])
-            flags = sum(b[data_end:] for b in state.gathered).tolist()
+            data = torch.stack([b[:-flag_count] for b in state.gathered])
+            flags = sum(b[-flag_count:] for b in state.gathered).tolist()
         else:
-            data = state.buffer[:data_end]
-            flags = state.buffer[data_end:].tolist()
+            reduced = state.buffer if state.received is None else state.received
+            data, flags = reduced[:-flag_count], reduced[-flag_count:].tolist()
         used = dict(zip(state.tensors, flags))
-        if flags[-1]:  # a rank's share summed to inf or NaN; an overflowing sum of finite values names none
-            bad = [name for name, _, length, position in state.slices
-                   if not bool(torch.isfinite(data[..., position:position + length]).all())]
+        if flags[-1]:  # a rank's share summed to inf or NaN; an overflowing sum of finite values names none,
+            # except in a reduce-scatter, where this rank holds its own segment alone: every rank takes the flag
+            bad = state.tensors if state.received is not None else [
+                name for name, _, length, position in slices
+                if not bool(torch.isfinite(data[..., position:position + length]).all())]
             if bad:
                 self._non_finite(bad)
-        for (name, offset, length, position), view in zip(state.slices, state.views):
+        views = state.views if state.received is None else [data[at:at + length] for _, _, length, at in slices]
+        for (name, offset, length, position), view in zip(slices, views):
             if not used[name]:
                 continue
             parameter = self.parameters[name]
             target = self.codec.reduced_target(name, parameter, self.step)
             if state.gathered is not None:
                 _span(target, offset, length).copy_(data[..., position:position + length])
-            elif not _adopt_as_gradient(parameter, target, view):
+            elif state.received is not None or not _adopt_as_gradient(parameter, target, view):
                 _span(target, offset, length).copy_(view)
         for name in state.tensors:
             self.ops_left[name] -= 1
@@ -300,11 +350,6 @@ def _adopt_as_gradient(parameter: torch.nn.Parameter, target: torch.Tensor, redu
         return False
     parameter.grad = reduced.view_as(parameter)
     return True
-
-
-def _data_end(state: _OpState) -> int:
-    """Where an op's buffer turns from its slices to its flags (one per tensor and the non-finite one)."""
-    return state.buffer.numel() - len(state.tensors) - 1
 
 
 def check_nonfinite_mode(mode: str) -> str:
