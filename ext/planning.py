@@ -113,14 +113,15 @@ def predict_steady(layout_plans: dict[str, LayoutPlan], cycle: list[tuple[str, .
 
 
 def predict_cycle(profile: ModelProfile, cost: CostModel, planner: BoundPlanner, codec: Codec,
-                  flops_per_second: float | None = None) -> tuple[dict[str, LayoutPlan], float]:
+                  flops_per_second: float | None = None,
+                  collective: str = ALLREDUCE) -> tuple[dict[str, LayoutPlan], float]:
     """The plans of every layout and the mean predicted step time over the codec's steady cycle
     (e.g. ACP-SGD's P step and Q step).
 
     Args:
-        profile, cost, planner, codec, flops_per_second: as ``plan_layouts``.
+        profile, cost, planner, codec, flops_per_second, collective: as ``plan_layouts``.
     """
-    layout_plans = plan_layouts(profile, cost, planner, codec, flops_per_second)
+    layout_plans = plan_layouts(profile, cost, planner, codec, flops_per_second, collective)
     return layout_plans, predict_steady(layout_plans, codec.steady_rounds(), cost)
 
 
@@ -135,7 +136,7 @@ class Alternative:
 
 
 def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner,
-                      count: int) -> list[Alternative]:
+                      count: int, collective: str = ALLREDUCE) -> list[Alternative]:
     """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: first
     its baseline (``BoundPlanner.baseline``: torch DDP's buckets) when its candidates include one,
     then the planner itself (its own choice), then the planner restricted to each other candidate,
@@ -147,9 +148,10 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
         codec: the compressor, set up on the profile's tensors.
         planner: a bound planner that chooses (``BoundPlanner.chooses``).
         count: the most alternatives returned.
+        collective: the plans' ops' (``plan_layouts``).
     """
     def alternative(bound: BoundPlanner) -> tuple[Alternative, tuple[str, ...]]:
-        layout_plans, predicted = predict_cycle(profile, cost, bound, codec)
+        layout_plans, predicted = predict_cycle(profile, cost, bound, codec, collective=collective)
         steady = [layout_plans[layout].plan for layout in steady_layouts(codec)]
         return Alternative(bound, chosen_label(steady), predicted), tuple(plan.hash for plan in steady)
 

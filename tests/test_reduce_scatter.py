@@ -103,3 +103,34 @@ def test_a_partition_must_cover_every_tensor_once():
             Partition(spans, 2).check(numels, 2)
     with pytest.raises(ConfigError, match="made for 3 ranks"):
         Partition({"a": ((0, 4, 0),), "b": ((0, 2, 1),)}, 3).check(numels, 2)
+
+
+def attached_with_partition(rank, world_size):
+    """gradsync's runtime attached with a partition and its network probed: the reduce-scatter's own
+    fitted cost, plans of reduce-scatters, and each rank's partition of torch's averaged gradient."""
+    from gradsync.runtime import attach, attached, check_wrap_arguments
+
+    model = mlp()
+    reference = nn.parallel.DistributedDataParallel(mlp())
+    table = ParameterTable.of(model)
+    profile = table.profile("mlp", list(table.owners), {m: 1e-3 for m in table.owners},
+                            {m: 2e-3 for m in table.owners})
+    partition = flat_partition(model, world_size)
+    model, optimizer = attach(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              check_wrap_arguments("mg_wfbp", profile=profile), partition=partition)
+    inputs = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    model(inputs).square().sum().backward()
+    reference(inputs).square().sum().backward()
+    optimizer.synchronize()
+    runtime = attached(model)
+    owned = all(torch.allclose(parameter.grad.reshape(-1)[start:end],
+                               dict(reference.module.named_parameters())[name].grad.reshape(-1)[start:end], atol=1e-6)
+                for name, parameter in model.named_parameters()
+                for start, end, owner in partition.spans[name] if owner == rank)
+    cost = runtime.installed.cost
+    return owned, {op.collective for op in runtime.plan.ops}, cost.reduce_scatter_a is not None
+
+
+def test_the_runtime_probes_the_reduce_scatter_and_plans_reduce_scatters_for_a_partition():
+    for owned, collectives, fitted in run_local(attached_with_partition, 2):
+        assert owned and collectives == {"reduce_scatter"} and fitted

@@ -21,6 +21,7 @@ from .channels import Channels, control_group
 from .engine import GradSync, _broadcast_from_first, attached, check_not_attached, no_sync
 from .executor import NonFiniteGradient
 from .parameter_table import ParameterTable
+from .partition import Partition
 from .installed import InstalledPlans
 from .measure.calibration import ProfileCalibration
 from .measure.probes import measure_cost
@@ -101,12 +102,15 @@ def wrap(
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: WrapArguments,
-           process_group=None):
+           process_group=None, partition: Partition | None = None):
     """``wrap`` with arguments already checked by ``check_wrap_arguments``.
 
     Args:
         model, optimizer, process_group: as ``wrap``.
         arguments: the rest of ``wrap``'s arguments, checked.
+        partition: for a sharded optimizer (ZeRO), the elements of each gradient each rank steps:
+            then, uncompressed, the plans' ops are reduce-scatters that deliver each rank its
+            partition of the averaged gradients alone (a compressor's decoded gradients are whole).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -120,6 +124,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     arguments.planner(skeleton, arguments.cost or CostModel(1e-4, 1e-9))  # the planner takes this model
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("torch.distributed is not initialised: call init_process_group first")
+    if partition is not None:
+        partition.check({name: parameter.numel() for name, parameter in table.parameters.items()},
+                        dist.get_world_size(process_group))
     channels = _meet(model, arguments, process_group)
     try:
         with waiting_for("the codec's seed at gradsync.wrap", arguments.timeout):
@@ -131,12 +138,13 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     codec = arguments.codec
     codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
     installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
-                               arguments.plan_trials)
+                               arguments.plan_trials, partition)
     sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer)
     with sync.detached_on_error():
         sync.check_optimizer(optimizer)
         with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
-            cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=table.device)
+            cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=table.device,
+                                                  collective=installed.collective)
         if arguments.profile is not None:
             installed.install(arguments.profile, cost)
         else:

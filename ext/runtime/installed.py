@@ -12,7 +12,7 @@ from dataclasses import replace
 from ..agreement import check_same_on_all_ranks, waiting_for
 from ..compress import Codec
 from ..cost import CostModel
-from ..plan import Plan
+from ..plan import ALLREDUCE, REDUCE_SCATTER, Plan
 from ..planners import BoundPlanner
 from ..planning import LayoutPlan, StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
 from ..profile import ModelProfile
@@ -20,6 +20,7 @@ from .channels import Channels
 from .compute_speed import ComputeSpeed, slowest_over_ranks
 from .executor import PlanExecutor
 from .parameter_table import ParameterTable
+from .partition import Partition
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
 from .measure.trials import ChoiceWatch, PlanTrials, TrialResult
 from .report import LayoutReport
@@ -32,11 +33,12 @@ class InstalledPlans:
         planner: the wrapped scheduler (measurement installs others meanwhile).
         codec: the compressor, set up on the layout's tensors.
         plan_trials: how many of a choosing planner's plans to time once the profile is measured.
-        nonfinite, trace: for the executors (``PlanExecutor``).
+        nonfinite, trace, partition: for the executors (``PlanExecutor``); with a `partition` and no
+            compressor the plans' ops are reduce-scatters (each rank needs its partition alone).
     """
 
     def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
-                 nonfinite: str, trace=None, plan_trials: int = 0):
+                 nonfinite: str, trace=None, plan_trials: int = 0, partition: Partition | None = None):
         self.table = table
         self.channels = channels
         self.planner = planner
@@ -44,6 +46,8 @@ class InstalledPlans:
         self.nonfinite = nonfinite
         self.trace = trace
         self.plan_trials = plan_trials
+        self.partition = partition
+        self.collective = REDUCE_SCATTER if partition is not None and codec.name == Codec.name else ALLREDUCE
         self.layout_plans: dict[str, LayoutPlan] = {}
         self.plans: dict[str, Plan] = {}
         self.executors: dict[str, PlanExecutor] = {}
@@ -66,7 +70,8 @@ class InstalledPlans:
         """
         planner = planner or self.planner
         layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
-                        for layout, entry in plan_layouts(profile, cost, planner, self.codec).items()}
+                        for layout, entry in plan_layouts(profile, cost, planner, self.codec,
+                                                          collective=self.collective).items()}
         plans = {layout: entry.plan for layout, entry in layout_plans.items()}
         with waiting_for("the plan hash check", self.channels.timeout):
             check_same_on_all_ranks(tuple(plan.hash for plan in plans.values()), "plan (plan hash mismatch)",
@@ -75,7 +80,8 @@ class InstalledPlans:
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
         self.predictions, self.speed = {}, ComputeSpeed()
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
-                                               self.nonfinite, self.trace) for layout, plan in plans.items()}
+                                               self.nonfinite, self.trace, self.partition)
+                          for layout, plan in plans.items()}
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
@@ -114,7 +120,7 @@ class InstalledPlans:
         elif isinstance(request, ProfileMeasured):
             self.rank_profiles = request.rank_profiles
             self.measurement = PlanTrials.start(request.profile, self.cost, self.codec, self.planner,
-                                                self.plan_trials, self.channels, self.table.device)
+                                                self.plan_trials, self.channels, self.table.device, self.collective)
             self._carry_out(self.measurement.first if self.measurement is not None else Install(request.profile))
         elif isinstance(request, TrialsDone):
             if request.planner is not None:

@@ -1,5 +1,6 @@
-"""Network probes at wrap time, which calibrate the cost model: a + b·bytes from timed all-reduces,
-γ from pairs run at once on two channels (asc-wfbp eq. 9), the slowdowns of computation and
+"""Network probes at wrap time, which calibrate the cost model: a + b·bytes from timed all-reduces
+(and from timed reduce-scatters, for plans of them), γ from pairs run at once on two channels
+(asc-wfbp eq. 9), the slowdowns of computation and
 communication from the two timed alone and together, and the computing thread's time per op
 (`host`) from computation run with and without small ops launched between its slices."""
 from __future__ import annotations
@@ -11,16 +12,18 @@ import torch
 import torch.distributed as dist
 
 from ...cost import CostModel
-from ...plan import BACKWARD, Op, Plan, Slice
+from ...plan import ALLREDUCE, BACKWARD, REDUCE_SCATTER, Op, Plan, Slice
 from ..channels import Channels
 from ..executor import PlanExecutor
 from . import median, now
 
 
 def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
-                 repeats: int = 5) -> CostModel:
-    """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1;
-    then the slowdowns, the host time per op and how many ops a channel runs at once.
+                 repeats: int = 5, collective: str = ALLREDUCE) -> CostModel:
+    """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1,
+    and for `collective` ``reduce_scatter`` its own a + b·bytes from timed reduce-scatters (each
+    rank receiving an equal part); then the slowdowns, the host time per op and how many ops a
+    channel runs at once.
 
     Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
     at most 64 MiB). Each size's time is the median of `repeats` runs, maximised over ranks (the
@@ -31,6 +34,7 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
         largest_bytes: the model's gradient bytes.
         dtype, device: of the probes' buffers (the gradients').
         repeats: timed runs per size.
+        collective: the plans' ops' (``planning.plan_layouts``).
     """
     element = torch.tensor([], dtype=dtype).element_size()
     largest = max(4 << 20, min(int(largest_bytes), 64 << 20))
@@ -42,11 +46,16 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     sizes.append(largest)
     buffers = {s: torch.ones(max(1, s // element), dtype=dtype, device=device) for s in sizes}
 
-    def timed(size: int, channel_list: list[int]) -> float:
+    def timed(size: int, channel_list: list[int], scatter: bool = False) -> float:
         samples = []
         for _ in range(repeats + 1):
             started = now(buffers[size].device)
-            works = [channels.all_reduce(c, buffers[size] if c == 0 else buffers[size].clone()) for c in channel_list]
+            if scatter:
+                parts = list(buffers[size].tensor_split(channels.world_size))
+                works = [channels.reduce_scatter(0, torch.empty_like(parts[channels.rank]), parts)]
+            else:
+                works = [channels.all_reduce(c, buffers[size] if c == 0 else buffers[size].clone())
+                         for c in channel_list]
             for work in works:
                 work.wait()
             samples.append(now(buffers[size].device) - started)
@@ -55,12 +64,15 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     times = [timed(s, [0]) for s in sizes]
     pair_sizes = sizes[-2:] if len(channels) > 1 else []
     pair_times = [timed(s, [0, 1]) for s in pair_sizes]
-    slowest = torch.tensor(times + pair_times, dtype=torch.float64, device=device)  # on the backend's device
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)
+    scatter_times = [timed(s, [0], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []
+    slowest = torch.tensor(times + pair_times + scatter_times, dtype=torch.float64, device=device)  # on the
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)  # backend's device
     measured = slowest.tolist()
     byte_sizes = [buffers[s].numel() * element for s in sizes]
     fitted = CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
-                           measured[len(sizes):], name="measured", clamp=True)
+                           measured[len(sizes):len(sizes) + len(pair_sizes)], name="measured", clamp=True)
+    if scatter_times:
+        fitted = fitted.with_reduce_scatter_fit(byte_sizes, measured[len(sizes) + len(pair_sizes):], clamp=True)
     slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
                      **measure_slowdowns(channels, fitted, dtype, device, repeats))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))

@@ -41,6 +41,7 @@ from ...agreement import waiting_for
 from ...compress import Codec
 from ...cost import CostModel
 from ...planners import BoundPlanner
+from ...plan import ALLREDUCE
 from ...planning import Alternative, plan_alternatives
 from ...profile import ModelProfile
 from ..channels import Channels
@@ -187,7 +188,7 @@ class PlanTrials(Measurement):
 
     @classmethod
     def start(cls, profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner, count: int,
-              channels: Channels, device: torch.device) -> "PlanTrials | None":
+              channels: Channels, device: torch.device, collective: str = ALLREDUCE) -> "PlanTrials | None":
         """Trials of up to `count` plans of `planner` (install ``first`` now); None when there is
         nothing to compare (a planner that does not choose, `count` < 2, or every candidate makes
         the same plans).
@@ -198,10 +199,11 @@ class PlanTrials(Measurement):
             planner: the wrapped scheduler, bound.
             count: ``wrap``'s `plan_trials`.
             channels, device: as the constructor's.
+            collective: the plans' ops' (``planning.plan_layouts``).
         """
         if count < 2 or not planner.chooses:
             return None
-        alternatives = plan_alternatives(profile, cost, codec, planner, count)
+        alternatives = plan_alternatives(profile, cost, codec, planner, count, collective)
         if len(alternatives) < 2:
             return None
         cycle = len(codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
