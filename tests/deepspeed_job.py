@@ -8,7 +8,10 @@
 2. ``acp_sgd`` with gradient clipping: losses, replica agreement, and a checkpoint round trip
    through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches;
 3. ``"nonfinite": "skip"`` with a NaN batch on rank 1, beside plain DeepSpeed (no gradsync section)
-   on the same batches without that one, both with a warm-up LR schedule.
+   on the same batches without that one, both with a warm-up LR schedule;
+4. every non-compressing scheduler at ZeRO stages 0 (fp32), 1 and 2 (bf16; and fp32 with one),
+   with gradient accumulation and clipping, beside DeepSpeed's own run of the same config;
+5. ``acp_sgd`` under ZeRO stages 1 and 2: training, replicas, and a checkpoint round trip.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
 """
@@ -107,9 +110,10 @@ def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transpo
     return result
 
 
-def compressed_with_checkpoint(rank: int, directory: Path) -> dict:
+def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0) -> dict:
     steps, saved_at, replay = 30, 20, 4
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": SGD, **QUIET,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}}}
     model = mlp()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -134,15 +138,20 @@ def compressed_with_checkpoint(rank: int, directory: Path) -> dict:
     dist.all_gather_object(checksums, flat(engine.module).double().sum().item())
     averaged_losses = torch.tensor(losses)
     dist.all_reduce(averaged_losses)
-    saved = torch.load(directory / "mid" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    if stage == 0:  # the optimizer's state, gradsync's with it, in the model's file; under ZeRO in each rank's
+        saved = torch.load(directory / "mid" / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["optimizer"]["gradsync"]
+    else:
+        saved = torch.load(directory / "mid" / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
+                           weights_only=False)["optimizer_state_dict"]["gradsync"]
     result = {"losses": (averaged_losses / dist.get_world_size()).tolist(),
               "replay_max_abs_difference": (continued - replayed).abs().max().item(),
               "steps_before_load": steps_before_load,
               "restored_sync_steps": restored_steps,
-              "checkpoint_gradsync": {k: v for k, v in saved["optimizer"]["gradsync"].items()
-                                      if k in ("codec", "step", "world_size")},
-              "checkpoint_per_rank_entries": len(saved["optimizer"]["gradsync"]["per_rank"] or []),
-              "replica_checksums": checksums, "codec": engine.gradsync.codec.name}
+              "checkpoint_gradsync": {k: v for k, v in saved.items() if k in ("codec", "step", "world_size")},
+              "checkpoint_per_rank_entries": len(saved["per_rank"] or []),
+              "replica_checksums": checksums, "codec": engine.gradsync.codec.name,
+              "optimizer": type(engine.optimizer).__name__}
     engine.destroy()
     return result
 
@@ -179,6 +188,61 @@ def skipped_step_against_plain_deepspeed(rank: int, cost_path: str) -> dict:
     return result
 
 
+SCHEDULERS = ("wfbp", "ddp", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte", "auto")
+
+
+def zero_config(stage: int, precision: str, section: dict | None = None) -> dict:
+    """SGD with momentum, accumulation 2 and clipping at 0.5 under ZeRO `stage` in `precision`."""
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 2,
+              "gradient_clipping": 0.5, "optimizer": SGD, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, **QUIET}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config if section is None else {**config, "gradsync": section}
+
+
+def trained(config: dict, rank: int, steps: int = 10) -> tuple[torch.Tensor, dict]:
+    """The parameters (fp32) after `steps` optimizer steps of plain deepspeed.initialize on `config`."""
+    model = mlp()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    accumulation = config["gradient_accumulation_steps"]
+    for micro in range(steps * accumulation):
+        x, y = batch(rank, micro)
+        if "bf16" in config:
+            x, y = x.bfloat16(), y.bfloat16()
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y.float()))
+        engine.step()
+    parameters = flat(engine.module).float()
+    info = {"optimizer": type(engine.optimizer).__name__, "global_steps": engine.global_steps}
+    if "gradsync" in config:
+        info["collectives"] = sorted({op.collective for op in engine.gradsync.plan.ops})
+    engine.destroy()
+    return parameters, info
+
+
+def bf16_ulps(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The largest difference in units of the last place of bf16 (8 significant bits) at the
+    magnitude of the largest parameter."""
+    largest = torch.maximum(ours.abs(), theirs.abs()).max()
+    return ((ours - theirs).abs().max() / torch.exp2(torch.floor(torch.log2(largest)) - 7)).item()
+
+
+def stages_against_deepspeed(rank: int, cost_path: str) -> dict:
+    """Per stage, precision and scheduler: gradsync's parameters beside DeepSpeed's own run."""
+    results = {}
+    for stage, precision, schedulers in ((0, "fp32", SCHEDULERS), (1, "bf16", SCHEDULERS), (2, "bf16", SCHEDULERS),
+                                         (1, "fp32", ("us_byte",)), (2, "fp32", ("mg_wfbp",))):
+        reference, plain = trained(zero_config(stage, precision), rank)
+        for scheduler in schedulers:
+            ours, info = trained(zero_config(stage, precision, {"scheduler": scheduler, "cost": cost_path}), rank)
+            sums = [None] * dist.get_world_size()
+            dist.all_gather_object(sums, ours.double().sum().item())
+            results[f"{stage} {precision} {scheduler}"] = {
+                **info, "deepspeed_optimizer": plain["optimizer"], "replicas_equal": len(set(sums)) == 1,
+                "max_abs_difference": (ours - reference).abs().max().item(), "bf16_ulps": bf16_ulps(ours, reference)}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -199,7 +263,10 @@ def main() -> None:
               "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), 1.0,
                                                                {"transport": "forest", "topology": "complete-2"}),
               "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint"),
-              "skip": skipped_step_against_plain_deepspeed(rank, str(cost_path))}
+              **{f"acp_sgd_zero{stage}": compressed_with_checkpoint(rank, args.out / f"checkpoint{stage}", stage)
+                 for stage in (1, 2)},
+              "skip": skipped_step_against_plain_deepspeed(rank, str(cost_path)),
+              "stages": stages_against_deepspeed(rank, str(cost_path))}
     result["seconds"] = time.perf_counter() - started
     if rank == 0:
         (args.out / "result.json").write_text(json.dumps(result, indent=1))

@@ -36,8 +36,9 @@ def field(key: str):
         raise ConfigError(f"DeepSpeed config '{SECTION}.{key}': {exc}") from exc
 
 
-def wrap_arguments(section) -> WrapArguments:
-    """``gradsync.wrap``'s arguments from the section, every value checked (no collective)."""
+def wrap_arguments(section, nonfinite: str | None = None) -> WrapArguments:
+    """``gradsync.wrap``'s arguments from the section, every value checked (no collective);
+    `nonfinite`, if given, is the default of the section's ``nonfinite`` (``default_nonfinite``)."""
     if not isinstance(section, dict):
         raise ConfigError(f"DeepSpeed config '{SECTION}' must be an object with keys from: {', '.join(KEYS)}")
     unknown = sorted(set(section) - set(KEYS))
@@ -45,7 +46,8 @@ def wrap_arguments(section) -> WrapArguments:
         raise ConfigError(f"DeepSpeed config '{SECTION}': unknown key(s) {unknown}; valid: {', '.join(KEYS)}")
     with field("options"):
         options = _planner_options(section.get("options", {}))
-    arguments = {key: section[key] for key in KEYS if key in section and key != "options"}
+    arguments = {**({"nonfinite": nonfinite} if nonfinite else {}),
+                 **{key: section[key] for key in KEYS if key in section and key != "options"}}
     scheduler = arguments.get("scheduler", "auto")
     if isinstance(scheduler, str) and scheduler in planners.names():
         for name, value in options.items():  # each option alone first, so that an error names it
@@ -58,10 +60,13 @@ def wrap_arguments(section) -> WrapArguments:
 def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer, mpu, mesh_device) -> None:
     """Refuse DeepSpeed settings under which gradsync cannot own the gradient synchronisation.
 
-    Refused: a ZeRO stage other than 0, ``fp16``/``bf16`` mixed precision, ``torch_autocast`` with
-    float16, ``managed_gradient_accumulation`` off, no optimizer at all, a compressor combined with
-    DeepSpeed's compressed optimizers, a ``communication_data_type`` other than fp32, model, tensor,
-    sequence or expert parallelism, DeepSpeed's hybrid engine, a pipeline module and MoE layers.
+    Refused: ZeRO stage 3; under stages 1 and 2 offloading, ZenFlow, DeepCompile, a
+    ``grad_accum_dtype`` and Muon; ``fp16``/``bf16`` mixed precision at stage 0 (accepted at stages
+    1 and 2), ``nonfinite`` "raise" with fp16, ``torch_autocast`` with float16,
+    ``managed_gradient_accumulation`` off, no optimizer at all, a compressor combined with
+    DeepSpeed's compressed optimizers, a ``communication_data_type`` other than the model's dtype,
+    a ``gradient_allreduce_op`` other than mean, model, tensor, sequence or expert parallelism,
+    DeepSpeed's hybrid engine, a pipeline module and MoE layers.
 
     Args:
         config: the engine's DeepSpeed config, as DeepSpeed parsed it.
@@ -77,14 +82,19 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
     """
     ds_config = config._param_dict
     stage = config.zero_optimization_stage
-    if stage != 0:
-        raise ConfigError(f"gradsync needs ZeRO stage 0 ('zero_optimization.stage' is {stage}): stages 1-3 "
-                          "partition gradients and reduce them inside DeepSpeed's optimizer")
-    for key, precision in (("fp16", config.float16_config), ("bf16", config.bfloat16_config)):
-        if precision.enabled:
-            raise ConfigError(f"gradsync does not support '{key}.enabled': DeepSpeed's mixed-precision optimizer "
-                              "steps fp32 master copies, not the module's parameters; use 'torch_autocast' "
-                              "with dtype bfloat16, or fp32")
+    if stage == 3:
+        raise ConfigError("gradsync does not support ZeRO stage 3 ('zero_optimization.stage' 3): it partitions the "
+                          "parameters themselves and gathers them layer by layer, so no rank ever holds a whole "
+                          "gradient to synchronise; use stage 1 or 2")
+    _check_zero(config, optimizer)
+    precision = _precision(config)
+    if precision != "fp32" and stage == 0:
+        raise ConfigError(f"gradsync supports '{precision}.enabled' with ZeRO stage 1 or 2: at stage 0 DeepSpeed's "
+                          f"{precision} optimizer keeps its own fp32 gradients; set 'zero_optimization.stage' to 1 "
+                          "or 2, or use 'torch_autocast' with dtype bfloat16")
+    if precision == "fp16" and ds_config[SECTION].get("nonfinite") == "raise":
+        raise ConfigError(f"'{SECTION}.nonfinite' 'raise' would stop at the first fp16 overflow, which DeepSpeed's "
+                          "dynamic loss scaler expects and skips: use 'ignore' (the default with fp16) or 'skip'")
     if config.torch_autocast_enabled and config.torch_autocast_dtype == torch.float16:
         raise ConfigError("gradsync does not support 'torch_autocast' with dtype float16: its gradient scaler "
                           "unscales gradients before they are synchronised; use bfloat16")
@@ -98,9 +108,12 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
         raise ConfigError(f"'{SECTION}.compressor' {codec.name!r} cannot be combined with DeepSpeed's compressed "
                           f"optimizer {optimizer_name!r}: it compresses its own communication; drop one of them")
     communication = ds_config.get("communication_data_type")
-    if communication is not None and str(communication).lower() != "fp32":
+    if communication is not None and str(communication).lower() != precision:
         raise ConfigError(f"gradsync does not support 'communication_data_type' {communication!r}: it reduces "
-                          "the gradients in their own dtype; drop the setting or set \"fp32\"")
+                          f"the gradients in their own dtype; drop the setting or set {precision!r}")
+    if config.gradient_allreduce_op != "mean":
+        raise ConfigError(f"gradsync averages the gradients: 'gradient_allreduce_op' must be \"mean\", got "
+                          f"{config.gradient_allreduce_op!r}")
     if config.hybrid_engine.enabled:
         raise ConfigError("gradsync does not support DeepSpeed's hybrid engine ('hybrid_engine.enabled'): it "
                           "switches the model between training and generation, with tensor-parallel inference")
@@ -110,6 +123,34 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
                           "DeepSpeed's model, tensor, sequence or expert parallelism (ranks holding different "
                           f"shards, tokens or experts): {', '.join(split)}")
     _check_model(model)
+
+
+def _precision(config: DeepSpeedConfig) -> str:
+    """The model's dtype under DeepSpeed's mixed precision: "fp16", "bf16" or "fp32"."""
+    return "fp16" if config.float16_config.enabled else "bf16" if config.bfloat16_config.enabled else "fp32"
+
+
+def default_nonfinite(config: DeepSpeedConfig) -> str | None:
+    """The section's default `nonfinite`: "ignore" under fp16 or bf16, whose optimizers check the
+    averaged gradients for overflow themselves and skip the step (None: ``gradsync.wrap``'s)."""
+    return "ignore" if _precision(config) != "fp32" else None
+
+
+def _check_zero(config: DeepSpeedConfig, optimizer) -> None:
+    """Refuse the ZeRO stage 1 and 2 features under which DeepSpeed's step reads gradients
+    gradsync does not deliver, or reduces them itself."""
+    zero = config.zero_config
+    offloaded = [key for key, offload in (("offload_optimizer", zero.offload_optimizer), ("offload_param",
+                                                                                          zero.offload_param))
+                 if offload is not None and str(getattr(offload.device, "value", offload.device)) != "none"]
+    refused = [f"'zero_optimization.{key}'" for key in offloaded]
+    refused += ["'zero_optimization.zenflow'"] if zero.zenflow is not None else []
+    refused += ["'compile.deepcompile'"] if config.compile_config.deepcompile else []
+    refused += ["'data_types.grad_accum_dtype'"] if config.grad_accum_dtype is not None else []
+    refused += ["the Muon optimizer"] if _optimizer_name(config, optimizer) == "muon" else []
+    if refused:
+        raise ConfigError(f"gradsync does not support {', '.join(refused)}: DeepSpeed then accumulates or reduces "
+                          "the gradients on its own path (offloaded, compiled or in another dtype)")
 
 
 def _model_parallelism(ds_config: dict, mpu, mesh_device) -> list[str]:

@@ -23,10 +23,13 @@ import contextlib
 import inspect
 from functools import cache
 
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import log_dist
 
 from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, no_sync
-from .config import SECTION, check_engine_config, wrap_arguments
+from ..runtime.parameter_table import ParameterTable
+from .config import SECTION, check_engine_config, default_nonfinite, wrap_arguments
+from .zero import ZeroStep, take_over, zero_partition
 
 MONITOR_PREFIX = "Train/gradsync/"
 
@@ -48,7 +51,7 @@ def build(init, engine, *args, **kwargs) -> None:
     if SECTION not in config._param_dict:
         init(engine, *args, **kwargs)
         return
-    arguments = wrap_arguments(config._param_dict[SECTION])
+    arguments = wrap_arguments(config._param_dict[SECTION], default_nonfinite(config))
     check_engine_config(config, arguments.codec, call["model"], call.get("optimizer"), call.get("mpu"),
                         call.get("mesh_device"))
     init(engine, *args, **kwargs)
@@ -57,10 +60,20 @@ def build(init, engine, *args, **kwargs) -> None:
 
 def attach(engine, arguments: WrapArguments) -> None:
     """Turn off the engine's all-reduce and attach gradsync with the checked `arguments`;
-    ``engine.gradsync`` is the runtime (``engine.gradsync.report()``: plans, trials, statistics)."""
-    _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
+    ``engine.gradsync`` is the runtime (``engine.gradsync.report()``: plans, trials, statistics).
+    Under ZeRO stages 1 and 2 gradsync delivers each rank its partition to DeepSpeed's ZeRO
+    optimizer, which stays the engine's (``gradsync.deepspeed.zero``); at stage 0 the engine's
+    optimizer becomes gradsync's SyncedOptimizer."""
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        zero = engine.optimizer
+        table = ParameterTable.of(engine.module)
+        _, synced = attach_runtime(engine.module, ZeroStep(zero, list(table.parameters.values())), arguments,
+                                   partition=zero_partition(zero, table))
+        take_over(zero, synced)
+    else:
+        _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
+        engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.enable_backward_allreduce = False
-    engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.gradsync = attached(engine.module)
     engine.gradsync_logged_iteration = -1
     engine.gradsync_plan_logged = False

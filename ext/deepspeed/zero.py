@@ -1,0 +1,130 @@
+"""gradsync in place of DeepSpeed's gradient reduction under ZeRO stages 1 and 2.
+
+DeepSpeed's ZeRO optimizer (``DeepSpeedZeroOptimizer``) keeps each rank's partition of the flat
+parameter groups in fp32 and steps it alone; its own hooks reduce the gradients into
+``averaged_gradients``, this rank's partition. Taken over by gradsync:
+1. DeepSpeed's gradient hooks are removed (and the engine's all-reduce switched off by the caller),
+   so DeepSpeed reduces nothing;
+2. gradsync's plan reduces the gradients during the backward pass of the accumulation boundary:
+   uncompressed, its ops are reduce-scatters that deliver each rank the elements of its partition
+   (``zero_partition``); a compressor's decoded gradients are whole;
+3. the ZeRO optimizer's ``step`` (called by the engine at the boundary) waits for the ops, hands
+   ZeRO this rank's partition of the averaged gradients in ZeRO's own layout
+   (``_build_compact_grad_partition_buffer``), then runs ZeRO's step unchanged: overflow check and
+   loss scale (fp16, bf16), clipping, the fp32 update and the all-gather of the parameters.
+The ZeRO optimizer stays the engine's (its class extended, so the engine's ``isinstance`` checks,
+loss scaling and checkpoints hold); its ``state_dict`` carries gradsync's codec state and step,
+each rank's in its own ZeRO checkpoint file.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from ..runtime import SyncedOptimizer
+from ..runtime.parameter_table import ParameterTable
+from ..runtime.partition import Partition
+
+
+def zero_partition(zero: DeepSpeedZeroOptimizer, table: ParameterTable) -> Partition:
+    """The elements of each parameter's flattened gradient that each rank's ZeRO partition holds.
+
+    Rank r of a group's data-parallel group owns elements [r·P, (r + 1)·P) of the group's flat
+    buffer, P = ``partition_size``; each parameter lies in it at its ``round_robin_bit16_offsets``
+    entry (alignment padding included)."""
+    names = {id(parameter): name for name, parameter in table.parameters.items()}
+    spans = {}
+    for index, parameters in enumerate(zero.round_robin_bit16_groups):
+        size = int(zero.partition_size[index])
+        ranks = dist.get_world_size(group=zero.real_dp_process_group[index])
+        for parameter, offset in zip(parameters, zero.round_robin_bit16_offsets[index]):
+            end = offset + parameter.numel()
+            spans[names.get(id(parameter), f"<a parameter outside the module, {tuple(parameter.shape)}>")] = tuple(
+                (max(offset, rank * size) - offset, min(end, (rank + 1) * size) - offset, rank)
+                for rank in range(ranks) if max(offset, rank * size) < min(end, (rank + 1) * size))
+    return Partition(spans, dist.get_world_size(group=zero.real_dp_process_group[0]))
+
+
+def deliver_partitions(zero: DeepSpeedZeroOptimizer) -> None:
+    """Fill ZeRO's ``averaged_gradients`` with this rank's partition of every group, read from the
+    parameters' gradients (averaged by gradsync at least on the elements this rank owns; a
+    parameter without a gradient contributes zeros), in ZeRO's own layout, offsets and dtype."""
+    for index, parameters in enumerate(zero.params_in_partition):
+        group = zero._build_compact_grad_partition_buffer(index)
+        rank = dist.get_rank(group=zero.real_dp_process_group[index])
+        size = int(zero.partition_size[index])
+        for parameter in parameters:
+            identity = zero.get_param_id(parameter)
+            start = int(zero.grad_start_offset[index][rank][identity])
+            at = int(zero.grad_partition_insertion_offset[index][rank][identity])
+            count = min(parameter.numel() - start, size - at)
+            if parameter.grad is not None and count > 0:
+                group.flat_partition.narrow(0, at, count).copy_(parameter.grad.reshape(-1)[start:start + count])
+        zero.averaged_gradients[index] = group
+
+
+class ZeroStep(torch.optim.Optimizer):
+    """What gradsync's runtime steps under ZeRO: the module's parameters, whose ``step`` hands the
+    ZeRO optimizer this rank's partitions of the averaged gradients and runs its own step."""
+
+    def __init__(self, zero: DeepSpeedZeroOptimizer, parameters):
+        super().__init__(parameters, {})
+        self.zero = zero
+
+    def step(self, closure=None):
+        deliver_partitions(self.zero)
+        return DeepSpeedZeroOptimizer.step(self.zero)
+
+
+class GradSyncZeroOptimizer:
+    """Overrides mixed into the engine's ZeRO optimizer's own class (``take_over``)."""
+
+    gradsync: SyncedOptimizer  # the runtime's view: its step waits for the ops, then ``ZeroStep``
+
+    def step(self, closure=None):
+        """gradsync's step: wait for the plan's ops, then ZeRO's step on the delivered partitions;
+        a step gradsync skipped for non-finite gradients is ZeRO's ``overflow``."""
+        self.gradsync.step()
+        if self.gradsync.sync.last_step_skipped:
+            self.overflow = True
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.gradsync.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)
+
+    def synchronize(self) -> None:
+        """Finish every outstanding op (as gradsync's SyncedOptimizer's)."""
+        self.gradsync.synchronize()
+
+    def state_dict(self):
+        """ZeRO's state of this rank's partition, and gradsync's (a collective with per-rank codec
+        state: DeepSpeed saves the optimizer on every rank)."""
+        return {**super().state_dict(), "gradsync": self.gradsync.sync.state_dict()}
+
+    def load_state_dict(self, state_dict_list, *args, **kwargs):
+        """ZeRO's load; gradsync's state from this rank's entry (DeepSpeed loads its own file)."""
+        mine = state_dict_list[dist.get_rank(group=self.dp_process_group)]
+        if mine is not None and "gradsync" in mine:
+            self.gradsync.sync.load_state_dict(mine["gradsync"])
+        stripped = [None if state is None else {k: v for k, v in state.items() if k != "gradsync"}
+                    for state in state_dict_list]
+        return super().load_state_dict(stripped, *args, **kwargs)
+
+
+def take_over(zero: DeepSpeedZeroOptimizer, synced: SyncedOptimizer) -> None:
+    """Remove ZeRO's gradient hooks and route its step through gradsync (`synced`, attached to the
+    module with ``ZeroStep`` and ``zero_partition``)."""
+    for handle in zero._grad_acc_hooks:
+        handle.remove()
+    zero._grad_acc_hooks.clear()
+    synced.sync.wait_at_backward_end = True  # ZeRO's step updates every partition at once
+    zero.gradsync = synced
+    zero.__class__ = _with_gradsync(type(zero))
+
+
+@cache
+def _with_gradsync(zero_class: type) -> type:
+    return type(f"GradSync{zero_class.__name__}", (GradSyncZeroOptimizer, zero_class), {})
