@@ -360,6 +360,28 @@ def test_every_scheduler_under_zero_stages_trains_as_deepspeed_does(two_rank_job
             assert run["collectives"] == ["reduce_scatter"], name
 
 
+@pytest.mark.parametrize("run", ["us_byte", "acp_sgd"])
+def test_fp16_overflows_are_skipped_as_deepspeed_skips_them(two_rank_job, run):
+    """fp16 under ZeRO-2 whose first steps overflow (loss scale 2^20): DeepSpeed's loss scaler sees
+    gradsync's averaged gradients, skips the overflowing steps on every rank and lowers the scale;
+    a skipped step is no compressor step (acp_sgd's P/Q alternation goes on). Uncompressed, the
+    same steps as in DeepSpeed's own run, the same scale, the parameters within fp16 rounding of
+    the updates. The low-rank factors, row sums of the scaled gradients, overflow fp16 at larger
+    scales than the gradients themselves: acp_sgd settles at a lower scale after more skips."""
+    fp16 = two_rank_job["fp16"]
+    deepspeed_run, ours = fp16["deepspeed"], fp16[run]
+    assert 0 < deepspeed_run["skipped_steps"] < 10 and deepspeed_run["finite"]
+    assert ours["global_steps"] == 10 and ours["finite"] and ours["replicas_equal"]
+    assert 0 < ours["compressor_steps"] == ours["global_steps"] - ours["skipped_steps"]
+    if run == "us_byte":
+        assert (ours["skipped_steps"], ours["loss_scale"]) == (deepspeed_run["skipped_steps"],
+                                                               deepspeed_run["loss_scale"])
+        assert ours["max_abs_difference"] <= 2e-3, ours
+    else:
+        assert ours["skipped_steps"] >= deepspeed_run["skipped_steps"]
+        assert ours["loss_scale"] <= deepspeed_run["loss_scale"]
+
+
 def test_skipped_step_is_reported_to_deepspeed(two_rank_job):
     """As plain DeepSpeed on the same batches without the skipped one, and counted as its fp16
     overflow skips are (a global step, not applied, the LR schedule held)."""
