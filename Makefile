@@ -37,6 +37,7 @@ bench: install
 	$(PY) benchmarks/forest_netbed.py
 	$(PY) -m benchmarks.head_to_head --topology 2x2-pcie --inter-gbps 1 --out benchmarks/results/head_to_head_topology.md
 	$(PY) -m benchmarks.head_to_head
+	$(PY) -m benchmarks.deepspeed_zero
 	$(PY) -m benchmarks.interference > /dev/null && echo "wrote benchmarks/results/interference.md"
 
 # The GPU acceptance run (benchmarks/gpu_check): on a CUDA machine with its own python3 and no network
@@ -46,12 +47,17 @@ gpu-check: $(if $(DRY_RUN),install)
 	$(if $(DRY_RUN),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(DRY_RUN),--dry-run)
 
 # Wheels the GPU machine lacks (Python 3.12, x86-64), fetched here into .gpu-wheels/ to travel with the
-# repository: gradsync's imports need highspy.
-GPU_WHEELS ?= highspy==1.16.0
+# repository: gradsync's imports need highspy; the DeepSpeed step needs DeepSpeed (a wheel built here
+# from its source, without compiled ops) and its dependencies.
+GPU_WHEELS ?= highspy==1.16.0 einops==0.8.2 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 py-cpuinfo==9.0.0 \
+	pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 psutil==7.2.2 \
+	typing_extensions==4.16.0
 gpu-wheels: install
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		-d .gpu-wheels $(GPU_WHEELS)
+	$(PY) -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w .gpu-wheels \
+		deepspeed==$$($(PY) -c "import importlib.metadata as m; print(m.version('deepspeed'))")
 
 clean:
 	rm -rf $(VENV) build *.egg-info

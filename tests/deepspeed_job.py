@@ -14,24 +14,24 @@
 5. ``acp_sgd`` under ZeRO stages 1 and 2: training, replicas, and a checkpoint round trip;
 6. fp16 under ZeRO stage 2 with overflowing first steps, beside DeepSpeed's own run.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
+With ``--cuda`` (one process per GPU, NCCL) the job runs 6 alone, for the GPU acceptance run.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils.logging import set_log_level_from_string
 from torch import nn
 
-import gradsync  # after deepspeed: its engine honours the "gradsync" section from here on
+import gradsync  # noqa: F401  (after deepspeed: its engine honours the "gradsync" section from here on)
 from gradsync.plan import FORWARD
 
 MICRO_BATCH, FEATURES, OUTPUTS = 8, 8, 4
@@ -211,11 +211,11 @@ def trained(config: dict, rank: int, steps: int = 10) -> tuple[torch.Tensor, dic
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     accumulation = config["gradient_accumulation_steps"]
     for micro in range(steps * accumulation):
-        x, y = batch(rank, micro)
+        x, y = (tensor.to(engine.device) for tensor in batch(rank, micro))
         dtype = torch.bfloat16 if "bf16" in config else torch.float16 if "fp16" in config else torch.float32
         engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
         engine.step()
-    parameters = flat(engine.module).float()
+    parameters = flat(engine.module).float().cpu()
     info = {"optimizer": type(engine.optimizer).__name__, "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps, "loss_scale": getattr(engine.optimizer, "loss_scale", None),
             "finite": bool(parameters.isfinite().all())}
@@ -253,7 +253,8 @@ def fp16_against_deepspeed(rank: int, cost_path: str) -> dict:
     """fp16 under ZeRO stage 2, the first steps overflowing: gradsync uncompressed and with acp_sgd,
     beside DeepSpeed's own run. The CPU accelerator declares no fp16 support though its kernels
     compute in fp16: the job lifts that flag (the same run on CUDA is in the GPU acceptance run)."""
-    get_accelerator().is_fp16_supported = lambda: True
+    if get_accelerator().device_name() == "cpu":
+        get_accelerator().is_fp16_supported = lambda: True
     reference, plain = trained(zero_config(2, "fp16"), rank)
     results = {"deepspeed": plain}
     for name, section in (("us_byte", {"scheduler": "us_byte"}),
@@ -270,10 +271,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--local_rank", type=int, default=0)
+    parser.add_argument("--cuda", action="store_true", help="on CUDA (NCCL): the mixed-precision ZeRO runs alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     set_log_level_from_string("info")  # the plan gradsync runs is an INFO line of DeepSpeed's logger
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
     cost_path = args.out / "cost.json"
     if rank == 0:
@@ -281,20 +283,30 @@ def main() -> None:
     dist.barrier()
     started = time.perf_counter()
     result = {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-              "accelerator": os.environ.get("DS_ACCELERATOR"),
-              "uncompressed": uncompressed_equivalence(rank, str(cost_path), 0.0, {}, args.out / "monitor"),
-              "uncompressed_clipped": uncompressed_equivalence(rank, str(cost_path), 1.0,
-                                                               {"transport": "forest", "topology": "complete-2"}),
-              "acp_sgd": compressed_with_checkpoint(rank, args.out / "checkpoint"),
-              **{f"acp_sgd_zero{stage}": compressed_with_checkpoint(rank, args.out / f"checkpoint{stage}", stage)
-                 for stage in (1, 2)},
-              "skip": skipped_step_against_plain_deepspeed(rank, str(cost_path)),
-              "stages": stages_against_deepspeed(rank, str(cost_path)),
-              "fp16": fp16_against_deepspeed(rank, str(cost_path))}
+              "accelerator": get_accelerator().device_name()}
+    if args.cuda:
+        torch.cuda.set_device(args.local_rank)
+        result["fp16"] = fp16_against_deepspeed(rank, str(cost_path))
+    else:
+        result.update(cpu_runs(rank, cost_path, args.out))
     result["seconds"] = time.perf_counter() - started
     if rank == 0:
         (args.out / "result.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
+
+
+def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
+    """Every run of the module docstring, on 2 CPU ranks (gloo)."""
+    cost = str(cost_path)
+    return {"uncompressed": uncompressed_equivalence(rank, cost, 0.0, {}, out / "monitor"),
+            "uncompressed_clipped": uncompressed_equivalence(rank, cost, 1.0,
+                                                             {"transport": "forest", "topology": "complete-2"}),
+            "acp_sgd": compressed_with_checkpoint(rank, out / "checkpoint"),
+            **{f"acp_sgd_zero{stage}": compressed_with_checkpoint(rank, out / f"checkpoint{stage}", stage)
+               for stage in (1, 2)},
+            "skip": skipped_step_against_plain_deepspeed(rank, cost),
+            "stages": stages_against_deepspeed(rank, cost),
+            "fp16": fp16_against_deepspeed(rank, cost)}
 
 
 if __name__ == "__main__":

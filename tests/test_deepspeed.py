@@ -55,6 +55,13 @@ def refused(section: dict | None = None, *, model: nn.Module | None = None, **co
     return str(error.value)
 
 
+def bare_engine(engine, args, model, **kwargs) -> None:
+    """A stand-in for DeepSpeed's engine constructor: what ``deepspeed.initialize`` reads after it."""
+    nn.Module.__init__(engine)
+    engine._config, engine.optimizer, engine.training_dataloader, engine.lr_scheduler = (
+        kwargs["config_class"], None, None, None)
+
+
 @pytest.fixture
 def built_engines(monkeypatch):
     """DeepSpeed's engine constructor and gradsync's attach stubbed: the constructor's arguments
@@ -62,9 +69,7 @@ def built_engines(monkeypatch):
     built = SimpleNamespace(constructed=[], attached=[])
 
     def constructed(engine, args, model, **kwargs):
-        nn.Module.__init__(engine)
-        engine._config, engine.optimizer, engine.training_dataloader, engine.lr_scheduler = (
-            kwargs["config_class"], None, None, None)
+        bare_engine(engine, args, model, **kwargs)
         built.constructed.append({"args": args, "model": model, **kwargs})
 
     stub_engine_constructor(monkeypatch, constructed)
@@ -248,17 +253,6 @@ def test_without_section_is_plain_deepspeed(built_engines):
     assert constructed["model"] is model and constructed["config"] == BASE
 
 
-def test_the_entry_holds_when_gradsync_is_imported_before_deepspeed():
-    """Imported first, gradsync wraps the engine's constructor as DeepSpeed's engine module loads."""
-    script = ("import sys, gradsync; assert 'deepspeed' not in sys.modules; "
-              "from deepspeed.runtime.engine import DeepSpeedEngine; "
-              "print(getattr(DeepSpeedEngine.__init__, 'gradsync_entry', False))")
-    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    assert finished.stdout.split()[-1] == "True"
-
-
 @pytest.fixture(scope="module")
 def two_rank_job(tmp_path_factory):
     """Run tests/deepspeed_job.py on 2 CPU ranks with the deepspeed launcher; its result.json."""
@@ -360,15 +354,13 @@ def test_every_scheduler_under_zero_stages_trains_as_deepspeed_does(two_rank_job
             assert run["collectives"] == ["reduce_scatter"], name
 
 
-@pytest.mark.parametrize("run", ["us_byte", "acp_sgd"])
-def test_fp16_overflows_are_skipped_as_deepspeed_skips_them(two_rank_job, run):
+def skipped_as_deepspeed_skips(fp16: dict, run: str) -> None:
     """fp16 under ZeRO-2 whose first steps overflow (loss scale 2^20): DeepSpeed's loss scaler sees
     gradsync's averaged gradients, skips the overflowing steps on every rank and lowers the scale;
     a skipped step is no compressor step (acp_sgd's P/Q alternation goes on). Uncompressed, the
     same steps as in DeepSpeed's own run, the same scale, the parameters within fp16 rounding of
     the updates. The low-rank factors, row sums of the scaled gradients, overflow fp16 at larger
     scales than the gradients themselves: acp_sgd settles at a lower scale after more skips."""
-    fp16 = two_rank_job["fp16"]
     deepspeed_run, ours = fp16["deepspeed"], fp16[run]
     assert 0 < deepspeed_run["skipped_steps"] < 10 and deepspeed_run["finite"]
     assert ours["global_steps"] == 10 and ours["finite"] and ours["replicas_equal"]
@@ -380,6 +372,26 @@ def test_fp16_overflows_are_skipped_as_deepspeed_skips_them(two_rank_job, run):
     else:
         assert ours["skipped_steps"] >= deepspeed_run["skipped_steps"]
         assert ours["loss_scale"] <= deepspeed_run["loss_scale"]
+
+
+@pytest.mark.parametrize("run", ["us_byte", "acp_sgd"])
+def test_fp16_overflows_are_skipped_as_deepspeed_skips_them(two_rank_job, run):
+    skipped_as_deepspeed_skips(two_rank_job["fp16"], run)
+
+
+@pytest.mark.gpu
+def test_fp16_overflows_are_skipped_as_deepspeed_skips_them_on_cuda(tmp_path):
+    """The same fp16 runs on one CUDA rank (NCCL), DeepSpeed's CUDA accelerator and its own fp16."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    env.pop("DS_ACCELERATOR", None)
+    done = subprocess.run([sys.executable, str(JOB), "--out", str(tmp_path), "--cuda"], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["backend"], result["accelerator"]) == ("nccl", "cuda")
+    for run in ("us_byte", "acp_sgd"):
+        skipped_as_deepspeed_skips(result["fp16"], run)
 
 
 def test_skipped_step_is_reported_to_deepspeed(two_rank_job):
@@ -407,9 +419,12 @@ def lightning_deepspeed_run(tmp_path: Path, device: str) -> dict:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_lightnings_deepspeed_strategy_runs_gradsync_from_the_config(tmp_path, device):
-    """Lightning's DeepSpeedStrategy(config=...) with the section, after `import gradsync`: its
-    engine runs gradsync's plan, and gradsync's statistics reach DeepSpeed's monitor."""
+    """Lightning's DeepSpeedStrategy(config=...) with the section, `import gradsync` coming before
+    DeepSpeed is loaded (its engine's constructor is wrapped as its module loads; the 2-rank job
+    imports gradsync after DeepSpeed): the engine runs gradsync's plan, and gradsync's statistics
+    reach DeepSpeed's monitor."""
     ran = lightning_deepspeed_run(tmp_path, device)
+    assert ran["deepspeed_before_gradsync"] is False
     assert (ran["engine"], ran["scheduler"], ran["backward_allreduce"]) == ("GradSyncDeepSpeedEngine", "wfbp", False)
     assert ran["iterations"] == 6 and len(set(ran["replica_sums"])) == 1
     assert len(ran["monitor"]["Train_gradsync_iteration_time"]) == 6

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .steps import ABSENT_ON_TARGET, BY_NAME, ROOT, Outcome
@@ -99,10 +100,22 @@ def step_command(step, result: Path, dry_run: bool) -> list[str]:
 
 def run_steps(steps, dry_run: bool, budget: float, log, command_for=step_command) -> list[StepRecord]:
     """Every step in its own process (`command_for(step, result, dry_run)`); `log` receives each
-    step's output."""
+    step's output. A dry run's steps, which do no GPU work, run two at a time."""
     deadline = time.monotonic() + budget
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONUNBUFFERED"] = "1"
+
+    def run(step, limit: float) -> tuple[int | None, str, float, dict | None]:
+        with tempfile.TemporaryDirectory() as folder:
+            result = Path(folder) / "result.json"
+            started = time.monotonic()
+            code, output = run_child(command_for(step, result, dry_run), limit, env)
+            return code, output, time.monotonic() - started, json.loads(result.read_text()) if result.exists() else None
+
+    if dry_run:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            finished = list(pool.map(lambda step: run(step, step.timeout), steps))
+        return [_record(step, *done, step.timeout, log) for step, done in zip(steps, finished)]
     records = []
     for step in steps:
         left = deadline - time.monotonic()
@@ -110,22 +123,22 @@ def run_steps(steps, dry_run: bool, budget: float, log, command_for=step_command
             records.append(StepRecord(step.name, step.title, step.target, "skipped", 0.0,
                                       "not started: the overall budget was spent", {}, ""))
             continue
-        with tempfile.TemporaryDirectory() as folder:
-            result = Path(folder) / "result.json"
-            started = time.monotonic()
-            limit = min(step.timeout, left)
-            code, output = run_child(command_for(step, result, dry_run), limit, env)
-            seconds = time.monotonic() - started
-            outcome = json.loads(result.read_text()) if result.exists() else None
-        log.write(f"\n===== {step.name} ({seconds:.1f} s, exit {code}) =====\n{output}\n")
-        log.flush()
-        if outcome is not None:
-            status, summary, numbers = outcome["status"], outcome["summary"], outcome["numbers"]
-        elif code is None:
-            status, summary, numbers = "timeout", f"stopped after {limit:.0f} s", {}
-        else:
-            status, summary, numbers = "error", f"exited with code {code} without a result", {}
-        tail = output[-OUTPUT_TAIL:] if status not in ("passed", "ready") else ""
-        records.append(StepRecord(step.name, step.title, step.target, status, seconds, summary, numbers, tail))
-        print(f"{step.name}: {status} in {seconds:.1f} s: {summary}", flush=True)
+        limit = min(step.timeout, left)
+        records.append(_record(step, *run(step, limit), limit, log))
     return records
+
+
+def _record(step, code: int | None, output: str, seconds: float, outcome: dict | None, limit: float,
+            log) -> StepRecord:
+    """A finished step's record, its output written to `log` and its line printed."""
+    log.write(f"\n===== {step.name} ({seconds:.1f} s, exit {code}) =====\n{output}\n")
+    log.flush()
+    if outcome is not None:
+        status, summary, numbers = outcome["status"], outcome["summary"], outcome["numbers"]
+    elif code is None:
+        status, summary, numbers = "timeout", f"stopped after {limit:.0f} s", {}
+    else:
+        status, summary, numbers = "error", f"exited with code {code} without a result", {}
+    tail = output[-OUTPUT_TAIL:] if status not in ("passed", "ready") else ""
+    print(f"{step.name}: {status} in {seconds:.1f} s: {summary}", flush=True)
+    return StepRecord(step.name, step.title, step.target, status, seconds, summary, numbers, tail)

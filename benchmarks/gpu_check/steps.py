@@ -18,8 +18,9 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[2]
 WHEELS = Path(os.environ.get("GPU_CHECK_WHEELS", ROOT / ".gpu-wheels"))
 # what the GPU machine lacks: a dry run's steps must start without them
-ABSENT_ON_TARGET = ("deepspeed", "hydra", "omegaconf", "wandb")
-VERSIONS = ("torch", "triton", "pytorch-lightning", "lightning", "numpy", "scipy", "networkx", "highspy", "gradsync")
+ABSENT_ON_TARGET = ("hydra", "omegaconf", "wandb")
+VERSIONS = ("torch", "triton", "pytorch-lightning", "lightning", "numpy", "scipy", "networkx", "highspy", "deepspeed",
+            "gradsync")
 
 
 @dataclasses.dataclass
@@ -319,5 +320,9 @@ STEPS = [
               "tests/test_comm_hooks.py::test_a_step_the_grad_scaler_skips_on_cuda_leaves_training_as_without_it"),
     test_step("lightning", 'Lightning Trainer(strategy="acp_sgd", accelerator="gpu", devices=1)',
               "every test passes", 240, "tests/test_lightning.py::test_registered_names_train_on_one_gpu"),
+    test_step("deepspeed", "DeepSpeed's engine with the gradsync section on CUDA: ZeRO-2 fp16 with overflows, and "
+              "Lightning's DeepSpeedStrategy", "every test passes", 300,
+              "tests/test_deepspeed.py::test_fp16_overflows_are_skipped_as_deepspeed_skips_them_on_cuda",
+              "tests/test_deepspeed.py::test_lightnings_deepspeed_strategy_runs_gradsync_from_the_config"),
 ]
 BY_NAME = {step.name: step for step in STEPS}
