@@ -107,7 +107,13 @@ class CostModel:
 
     def with_reduce_scatter_fit(self, sizes: Sequence[float], times: Sequence[float], clamp: bool = False) -> "CostModel":
         """This model with a reduce-scatter's a and b fitted by least squares on (bytes, seconds)
-        samples, as `fit` fits the all-reduce's (same arguments, same refusals)."""
+        samples, as `fit` fits the all-reduce's (same refusals).
+
+        Args:
+            sizes, times: one reduce-scatter's buffer size (bytes, the whole buffer's) and measured
+                time (seconds) per sample; at least two distinct sizes.
+            clamp: as `fit`'s.
+        """
         a, b, _ = _least_squares(sizes, times, clamp)
         return replace(self, reduce_scatter_a=a, reduce_scatter_b=b)
 

@@ -94,7 +94,13 @@ class InFlight:
         self.work: dict[int, float] = {}
 
     def start(self, op: int, nbytes: int, collective: str = ALLREDUCE) -> None:
-        """Op `op` of `nbytes` starts: a `collective` with the cost model's terms for it."""
+        """An op starts: its start-up, then its transmission, with the cost model's terms for it.
+
+        Args:
+            op: the op's index in the plan.
+            nbytes: the bytes it carries.
+            collective: its collective (``Op.collective``).
+        """
         a, b = self.cost.terms(collective)
         self.starting[op] = a
         self.work[op] = b * nbytes

@@ -1,12 +1,11 @@
-"""Lightning's own DeepSpeedStrategy with a "gradsync" section in its config, after ``import
-gradsync``: `python lightning_deepspeed_job.py OUT [cpu|cuda]` with a cost model in OUT/cost.json; rank 0
+"""Lightning's own DeepSpeedStrategy with a "gradsync" section in its config, ``import gradsync``
+coming before DeepSpeed is loaded: `python lightning_deepspeed_job.py OUT [cpu|cuda]` with a cost model in OUT/cost.json; rank 0
 writes what ran to OUT/ran.json and DeepSpeed's csv monitor writes under OUT/monitor.
 
 Lightning's DeepSpeedStrategy refuses any accelerator but CUDA; on CPU (2 ranks, gloo) the job
 runs it with that one check lifted and DeepSpeed's CPU accelerator, the rest of it unchanged.
 """
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy, DeepSpeedStrategy
 
 import gradsync  # noqa: F401  (its entry in DeepSpeed's engine)
+
+DEEPSPEED_BEFORE_GRADSYNC = "deepspeed" in sys.modules  # no: Lightning imports it when the strategy starts
 
 STEPS = 6
 
@@ -68,7 +69,7 @@ def main() -> None:
                          enable_model_summary=False)
     trainer.fit(module)
     if trainer.global_rank == 0:
-        (out / "ran.json").write_text(json.dumps({**module.ran, "accelerator": os.environ.get("DS_ACCELERATOR")}))
+        (out / "ran.json").write_text(json.dumps({**module.ran, "deepspeed_before_gradsync": DEEPSPEED_BEFORE_GRADSYNC}))
 
 
 if __name__ == "__main__":

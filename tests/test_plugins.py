@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -162,25 +161,27 @@ def lambda_free_call(rank, world_size, fn):
 
 
 def deepspeed_section_checks():
-    """The checked arguments of a DeepSpeed section naming the plugin (DeepSpeed's start and
+    """The checked arguments of a DeepSpeed section naming the plugin (DeepSpeed's engine and
     gradsync's attach stubbed), and the error for a bad option."""
     import deepspeed
 
     import gradsync.deepspeed
+    from test_deepspeed import bare_engine, stub_engine_constructor
 
     register_plugin()
     checked = []
-    deepspeed.initialize = lambda **kwargs: (types.SimpleNamespace(optimizer=None), None, None, None)
-    gradsync.deepspeed.engine.attach = lambda engine, arguments: checked.append(arguments)
     model = torch.nn.Linear(4, 2)
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "gradsync": {"scheduler": NAME, "options": {"layers_per_op": 5}}}
-    gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    config["gradsync"]["options"] = {"layers_per_op": 0}
-    try:
-        gradsync.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    except ConfigError as exc:
-        return checked[0].planner.name, dict(checked[0].planner.options), str(exc)
+    with pytest.MonkeyPatch.context() as patch:
+        stub_engine_constructor(patch, bare_engine)
+        patch.setattr(gradsync.deepspeed.engine, "attach", lambda engine, arguments: checked.append(arguments))
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        config["gradsync"]["options"] = {"layers_per_op": 0}
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        except ConfigError as exc:
+            return checked[0].planner.name, dict(checked[0].planner.options), str(exc)
 
 
 def test_the_deepspeed_section_takes_the_registered_planner():

@@ -72,11 +72,19 @@ def reduce_scattered(rank, world_size, planner, nonfinite="raise", poison=None):
     return owned, others, len(plan.ops), executor.skip_step
 
 
+PLANNERS = ("wfbp", "ddp", "mg_wfbp", "us_byte")
+
+
+def each_planner(rank, world_size):
+    return {planner: reduce_scattered(rank, world_size, planner) for planner in PLANNERS}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("planner", ["wfbp", "ddp", "mg_wfbp", "us_byte"])
-def test_each_rank_receives_its_partition_of_the_average(world_size, planner):
-    for owned, others, ops, skipped in run_local(reduce_scattered, world_size, planner):
-        assert owned and others and not skipped and ops >= 1
+def test_each_rank_receives_its_partition_of_the_average(world_size):
+    for results in run_local(each_planner, world_size):
+        assert set(results) == set(PLANNERS)
+        for owned, others, ops, skipped in results.values():
+            assert owned and others and not skipped and ops >= 1
 
 
 def test_a_non_finite_gradient_outside_a_ranks_partition_skips_the_step_on_every_rank():

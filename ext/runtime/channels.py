@@ -87,8 +87,13 @@ class Channels:
         return dist.all_reduce(tensor, group=self.groups[channel], async_op=True)
 
     def reduce_scatter(self, channel: int, output, inputs):
-        """Start a sum reduce-scatter on `channel`: rank r's `output` receives the sum over ranks of
-        their `inputs[r]` (sizes may differ between ranks' parts); returns the work handle."""
+        """Start a sum reduce-scatter on `channel`; returns the work handle.
+
+        Args:
+            channel: the channel's index.
+            output: this rank's result: the sum over ranks of their ``inputs[rank]``.
+            inputs: one tensor per rank (sizes may differ between ranks' parts, alike on every rank).
+        """
         if self.forests:
             raise ConfigError("the forest transport runs all-reduces only, not reduce-scatters")
         return dist.reduce_scatter(output, inputs, group=self.groups[channel], async_op=True)

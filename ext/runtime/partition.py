@@ -40,7 +40,12 @@ class Partition:
         return self
 
     def split(self, name: str, offset: int, length: int) -> list[tuple[int, int, int]]:
-        """The parts of elements [offset, offset + length) of `name`: (rank, start, length) each."""
+        """The parts of a slice by owner: (rank, start, length) each, in element order.
+
+        Args:
+            name: the tensor's name.
+            offset, length: the slice, elements [offset, offset + length) of its flattened gradient.
+        """
         end = offset + length
         return [(rank, max(start, offset), min(stop, end) - max(start, offset))
                 for start, stop, rank in self.spans[name] if start < end and stop > offset]
