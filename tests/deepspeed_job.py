@@ -113,7 +113,7 @@ def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transpo
 
 
 def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0) -> dict:
-    steps, saved_at, replay = 30, 20, 4
+    steps, saved_at, replay = 24, 16, 4
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": SGD, **QUIET,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}}}
