@@ -11,20 +11,15 @@ DeepSpeed: when DeepSpeed is not loaded yet, the constructor is wrapped as soon 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
-import sys
+
+from .import_hooks import after_import
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
 def install() -> None:
     """Wrap ``DeepSpeedEngine.__init__`` now if DeepSpeed's engine is loaded, else once it loads."""
-    module = sys.modules.get(ENGINE_MODULE)
-    if module is not None:
-        _wrap_constructor(module)
-    elif not any(isinstance(finder, _EngineModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _EngineModuleFinder())
+    after_import(ENGINE_MODULE, _wrap_constructor)
 
 
 def _wrap_constructor(module) -> None:
@@ -40,34 +35,3 @@ def _wrap_constructor(module) -> None:
 
     __init__.gradsync_entry = True
     engine_class.__init__ = __init__
-
-
-class _EngineModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds DeepSpeed's engine module as the path finder does, with a loader that wraps the
-    engine's constructor once the module has run; then leaves ``sys.meta_path``."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != ENGINE_MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _WrappingLoader(spec.loader)
-        return spec
-
-
-class _WrappingLoader(importlib.abc.Loader):
-    """`loader`, then the constructor wrapped; anything else asked of it is `loader`'s."""
-
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _wrap_constructor(module)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)

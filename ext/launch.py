@@ -115,7 +115,9 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 
         TimeoutError: when some rank did not report within `timeout`.
     """
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["gradsync"])  # read when the server starts (the first call)
+    # read when the server starts (the first call); with the strategies, Lightning (when installed)
+    # is imported once there rather than in every rank
+    context.set_forkserver_preload(["gradsync", "gradsync.strategies"])
     queue = context.Queue()
     port = free_port()  # for code that reads MASTER_PORT; the process group meets through a file
     workdir = tempfile.mkdtemp(prefix="gradsync-ranks-")

@@ -1,6 +1,7 @@
 """Lightning strategies that run training with gradsync's runtime (registered on import).
 
-``import gradsync`` registers, in the StrategyRegistry of each installed Lightning package
+``import gradsync`` registers (once Lightning is imported, before or after gradsync: this module
+is imported then, ``gradsync.import_hooks``), in the StrategyRegistry of each installed Lightning package
 (``pytorch_lightning`` and ``lightning.pytorch``), one name per registered planner (its
 ``PlannerSpec.strategy_name``: wfbp, ddp_buckets, ..., gradsync_auto), per compressor (acp_sgd,
 powersgd, signsgd, topk; scheduled by optimal_merge) and per transport (forest: the auto plan over

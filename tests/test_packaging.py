@@ -31,6 +31,7 @@ def test_editable_install_imports_every_subpackage_from_the_folders(tmp_path):
 
 LAZY_ATTRIBUTES = """import sys, gradsync
 assert "deepspeed" not in sys.modules, "import gradsync imported deepspeed"
+assert "pytorch_lightning" not in sys.modules, "import gradsync imported Lightning"
 print(gradsync.launch.run_local.__name__, gradsync.timeline_plot.plot_timeline.__name__)
 assert "deepspeed" not in sys.modules, "gradsync.launch imported deepspeed"
 try:
@@ -49,6 +50,22 @@ def test_a_plain_import_reaches_launch_and_deepspeed_lazily():
     lines = done.stdout.splitlines()
     assert lines[:2] == ["run_local plot_timeline", "module 'gradsync' has no attribute 'no_such_name'"]
     assert (lines[-1] == "deepspeed") if with_deepspeed else len(lines) == 2  # after DeepSpeed's log
+
+
+def test_after_import_runs_now_or_when_the_module_is_imported(tmp_path, monkeypatch):
+    """How gradsync reaches DeepSpeed's engine and Lightning's registries without importing them."""
+    from gradsync.import_hooks import after_import
+
+    (tmp_path / "late_module.py").write_text("VALUE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "late_module", raising=False)
+    seen = []
+    after_import("late_module", lambda module: seen.append(module.VALUE))
+    assert seen == []
+    importlib.import_module("late_module")
+    assert seen == [3]
+    after_import("late_module", lambda module: seen.append(-module.VALUE))
+    assert seen == [3, -3]
 
 
 TOOLS = {"simulator_replay"}  # re-predicts a stored head-to-head with the simulator: writes no result

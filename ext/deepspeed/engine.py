@@ -7,10 +7,11 @@ all-reduce:
 - ``engine.enable_backward_allreduce = False`` switches DeepSpeed's own all-reduce off;
 - gradsync's hooks on ``engine.module`` launch the plan's ops during the backward pass of an
   accumulation boundary (the other micro-batches accumulate locally, as under ``no_sync``);
-- ``engine.optimizer`` becomes gradsync's SyncedOptimizer (``deepspeed.initialize`` returns it),
-  so the ``optimizer.step()`` DeepSpeed calls at the boundary waits for the ops and applies (or
-  defers) the update, and the optimizer state DeepSpeed checkpoints carries gradsync's codec state
-  and step;
+- at ZeRO stage 0 ``engine.optimizer`` becomes gradsync's SyncedOptimizer (``deepspeed.initialize``
+  returns it), so the ``optimizer.step()`` DeepSpeed calls at the boundary waits for the ops and
+  applies (or defers) the update, and the optimizer state DeepSpeed checkpoints carries gradsync's
+  codec state and step; at stages 1 and 2 the ZeRO optimizer stays, taken over as
+  ``gradsync.deepspeed.zero`` describes;
 - a step skipped for non-finite gradients (``"nonfinite": "skip"``) is the optimizer's
   ``overflow``, as DeepSpeed's fp16 optimizers report one: the engine counts it in
   ``skipped_steps``, ``was_step_applied()`` is False and the LR scheduler does not advance;
