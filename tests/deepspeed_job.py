@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -274,6 +275,7 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="on CUDA (NCCL): the mixed-precision ZeRO runs alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    random.seed(0)  # rank 0 draws the low-rank codecs' seed: every run of the job alike
     set_log_level_from_string("info")  # the plan gradsync runs is an INFO line of DeepSpeed's logger
     deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
     rank = dist.get_rank()

@@ -362,8 +362,9 @@ def skipped_as_deepspeed_skips(fp16: dict, run: str) -> None:
     the updates. The low-rank factors, row sums of the scaled gradients, overflow fp16 at larger
     scales than the gradients themselves: acp_sgd settles at a lower scale after more skips."""
     deepspeed_run, ours = fp16["deepspeed"], fp16[run]
-    assert 0 < deepspeed_run["skipped_steps"] < 10 and deepspeed_run["finite"]
-    assert ours["global_steps"] == 10 and ours["finite"] and ours["replicas_equal"]
+    steps = deepspeed_run["global_steps"]
+    assert 0 < deepspeed_run["skipped_steps"] < steps and deepspeed_run["finite"]
+    assert ours["global_steps"] == steps and ours["finite"] and ours["replicas_equal"]
     assert 0 < ours["compressor_steps"] == ours["global_steps"] - ours["skipped_steps"]
     if run == "us_byte":
         assert (ours["skipped_steps"], ours["loss_scale"]) == (deepspeed_run["skipped_steps"],

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from functools import cache
 
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import log_dist
@@ -30,7 +29,7 @@ from deepspeed.utils import log_dist
 from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, no_sync
 from ..runtime.parameter_table import ParameterTable
 from .config import SECTION, check_engine_config, default_nonfinite, wrap_arguments
-from .zero import ZeroStep, take_over, zero_partition
+from .zero import ZeroStep, extended, take_over, zero_partition
 
 MONITOR_PREFIX = "Train/gradsync/"
 
@@ -78,7 +77,7 @@ def attach(engine, arguments: WrapArguments) -> None:
     engine.gradsync = attached(engine.module)
     engine.gradsync_logged_iteration = -1
     engine.gradsync_plan_logged = False
-    engine.__class__ = _with_gradsync(type(engine))
+    engine.__class__ = extended(GradSyncEngine, type(engine))
     engine.log_gradsync_plan(f"attached to {type(engine.module).__name__}")
 
 
@@ -137,7 +136,3 @@ class GradSyncEngine:
         self.gradsync.detach()
         super().destroy()
 
-
-@cache
-def _with_gradsync(engine_class: type) -> type:
-    return type(f"GradSync{engine_class.__name__}", (GradSyncEngine, engine_class), {})

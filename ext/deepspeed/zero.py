@@ -122,9 +122,11 @@ def take_over(zero: DeepSpeedZeroOptimizer, synced: SyncedOptimizer) -> None:
     zero._grad_acc_hooks.clear()
     synced.sync.wait_at_backward_end = True  # ZeRO's step updates every partition at once
     zero.gradsync = synced
-    zero.__class__ = _with_gradsync(type(zero))
+    zero.__class__ = extended(GradSyncZeroOptimizer, type(zero))
 
 
 @cache
-def _with_gradsync(zero_class: type) -> type:
-    return type(f"GradSync{zero_class.__name__}", (GradSyncZeroOptimizer, zero_class), {})
+def extended(overrides: type, base: type) -> type:
+    """`base` with the methods of `overrides` first, named "GradSync<base>" (one class per pair),
+    for an object of `base` that DeepSpeed built to become gradsync's in place."""
+    return type(f"GradSync{base.__name__}", (overrides, base), {})

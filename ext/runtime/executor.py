@@ -47,6 +47,7 @@ class _OpState:
     segments: list[tuple[int, int]] | None = None
     received: torch.Tensor | None = None
     own_slices: list[tuple[str, int, int, int]] | None = None
+    own_views: list[torch.Tensor] | None = None  # the received buffer's span of each own slice
     gathered: list[torch.Tensor] | None = None
     waiting_for: set[str] = field(default_factory=set)
     work: object = None
@@ -135,8 +136,9 @@ class PlanExecutor:
         flags = [buffer[end - flag_count:end] for _, end in segments]
         begin, end = segments[self.channels.rank]
         own = [(name, start, length, at - begin) for name, start, length, at in slices if begin <= at < end]
+        received = torch.zeros(end - begin, dtype=dtype, device=device)
         return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label, flags,
-                        segments, torch.zeros(end - begin, dtype=dtype, device=device), own)
+                        segments, received, own, [received[at:at + length] for _, _, length, at in own])
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
@@ -275,7 +277,7 @@ class PlanExecutor:
                 if not bool(torch.isfinite(data[..., position:position + length]).all())]
             if bad:
                 self._non_finite(bad)
-        views = state.views if state.received is None else [data[at:at + length] for _, _, length, at in slices]
+        views = state.views if state.own_views is None else state.own_views
         for (name, offset, length, position), view in zip(slices, views):
             if not used[name]:
                 continue
