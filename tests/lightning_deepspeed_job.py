@@ -68,6 +68,9 @@ def main() -> None:
                          max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(module)
+    # Lightning leaves DeepSpeed's engine to the interpreter's exit; destroyed here, as a script
+    # would, gradsync's process groups go first (one left to the exit once aborted the process)
+    strategy.model.destroy()
     if trainer.global_rank == 0:
         (out / "ran.json").write_text(json.dumps({**module.ran, "deepspeed_before_gradsync": DEEPSPEED_BEFORE_GRADSYNC}))
 
