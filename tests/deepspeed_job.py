@@ -211,20 +211,39 @@ def trained(config: dict, rank: int, steps: int = 10) -> tuple[torch.Tensor, dic
     model = mlp()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     accumulation = config["gradient_accumulation_steps"]
+    scales = [getattr(engine.optimizer, "loss_scale", None)]
+    rescaled = record_error_rescales(engine) if "gradsync" in config and "fp16" in config else []
     for micro in range(steps * accumulation):
         x, y = (tensor.to(engine.device) for tensor in batch(rank, micro))
         dtype = torch.bfloat16 if "bf16" in config else torch.float16 if "fp16" in config else torch.float32
         engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
         engine.step()
+        if scales[-1] != getattr(engine.optimizer, "loss_scale", None):
+            scales.append(engine.optimizer.loss_scale)
     parameters = flat(engine.module).float().cpu()
     info = {"optimizer": type(engine.optimizer).__name__, "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps, "loss_scale": getattr(engine.optimizer, "loss_scale", None),
-            "finite": bool(parameters.isfinite().all())}
+            "finite": bool(parameters.isfinite().all()), "scale_changes": [b / a for a, b in zip(scales, scales[1:])],
+            "errors_rescaled": rescaled}
     if "gradsync" in config:
         info["collectives"] = sorted({op.collective for op in engine.gradsync.plan.ops})
         info["compressor_steps"] = engine.gradsync.sync_steps
     engine.destroy()
     return parameters, info
+
+
+def record_error_rescales(engine) -> list[float]:
+    """The factors gradsync's error feedback is rescaled by (its runtime's loss_scale_changed), as
+    a list that fills while the engine trains."""
+    factors, sync = [], engine.optimizer.gradsync.sync
+    rescale = sync.loss_scale_changed
+
+    def recorded(factor: float) -> None:
+        factors.append(factor)
+        rescale(factor)
+
+    sync.loss_scale_changed = recorded
+    return factors
 
 
 def bf16_ulps(ours: torch.Tensor, theirs: torch.Tensor) -> float:

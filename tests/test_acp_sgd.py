@@ -339,6 +339,45 @@ def test_non_finite_gradients_never_enter_the_error_and_the_step_is_skipped_ever
     assert run_local(non_finite_skipped, 2) == [(True, True, True)] * 2
 
 
+def decoded_overflow_skipped(rank, world_size, compressor):
+    """An fp16 layer whose gradient is C·s, C of entries ±1, equal on every rank: step 0 (s = 3·10⁴)
+    trains; at step 1 (s = 6·10⁴) M + E holds entries near 9·10⁴, and its low-rank approximation,
+    finite in fp32, decodes past fp16's range. That step is skipped as a non-finite one: no codec step, the
+    error and factors as before it, the parameters unchanged. The shape is wide (16 × 64) so that
+    the codecs' state after step 0 differs from their state at the start."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 16, bias=False).half()
+    signs = torch.randint(0, 2, (16, 64), generator=torch.Generator().manual_seed(3)).half() * 2 - 1
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=1e-9), scheduler="wfbp",
+                                     compressor={"type": compressor, "rank": 1, "min_compression_rate": 0},
+                                     profile=profile_of(model), cost=COST, nonfinite="skip")
+    sync = attached(model)
+
+    def step(scale):
+        optimizer.zero_grad()
+        (model.weight * signs * scale).sum().backward()
+        optimizer.step()
+
+    def state():
+        return [t.clone() for t in (*sync.codec.errors.values(),
+                                    *getattr(sync.codec, "p_prev", {}).values(), *sync.codec.q_prev.values())]
+
+    step(3e4)
+    before, weight = state(), model.weight.detach().clone()
+    step(6e4)
+    kept = sync.sync_steps == 1 and all(torch.equal(a, b) for a, b in zip(state(), before))
+    unchanged = torch.equal(model.weight, weight)
+    step(-3e4)  # M + E is step 0's rank-1 approximation, negated: the step 1 the skipped one was not
+    counted = sync.sync_steps == 2 and bool(torch.isfinite(model.weight).all())
+    sync.detach()
+    return kept, unchanged, counted
+
+
+@pytest.mark.parametrize("compressor", ["acp_sgd", "powersgd"])
+def test_a_step_whose_decoded_gradient_overflows_fp16_is_skipped_and_changes_nothing(compressor):
+    assert run_local(decoded_overflow_skipped, 2, compressor) == [(True, True, True)] * 2
+
+
 @pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
 def test_a_step_whose_gradient_is_never_applied_leaves_the_error_as_it_was(name):
     """No rank used the tensor, or the step was skipped: the codec encoded but never finished, so

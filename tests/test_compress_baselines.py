@@ -17,6 +17,7 @@ from torch import nn
 import gradsync
 from gradsync import ConfigError, compress, planners
 from gradsync.planning import plan_layouts, step_prediction
+from gradsync.compress.acp_sgd import ACPSGD
 from gradsync.compress.powersgd import PowerSGD
 from gradsync.compress.signsgd import SignSGD
 from gradsync.compress.quantize import MinMax8Bit
@@ -39,7 +40,8 @@ def gathered_step(codec, name, gradient, step):
 
 
 def powersgd_step(codec, gradients, step):
-    """Round P for every tensor, then round Q, each 'all-reduced' on one worker."""
+    """Each round of the step for every tensor (Power-SGD: P, then Q; ACP-SGD: its one), each
+    'all-reduced' on one worker."""
     parameters = {name: nn.Parameter(torch.zeros_like(g)) for name, g in gradients.items()}
     for name, gradient in gradients.items():
         parameters[name].grad = gradient.clone()
@@ -228,6 +230,50 @@ def test_other_float_dtypes_keep_the_conservation(make, dtype):
     # decoded + E = M up to rounding E and the scale to the dtype: a few units of its epsilon
     tolerance = 2 * torch.finfo(dtype).eps * gradient.abs().max().item()
     assert torch.allclose((decoded + codec.errors["g"].view(8, 6)).double(), gradient.double(), atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: ACPSGD(rank=2)], ids=["powersgd", "acp_sgd"])
+def test_low_rank_codecs_form_16_bit_gradients_factors_in_fp32(make, dtype):
+    """Entries near 2·10⁴, inside fp16's range, make factor entries (row sums against an orthonormal
+    query, about √1024·10⁴) past it: in fp32 the factors and the error stay finite, travel as fp32,
+    and the decoded gradient is the fp32 codec's on the same values, rounded once to the dtype."""
+    generator = torch.Generator().manual_seed(7)
+    gradients = [(torch.rand(64, 1024, generator=generator) * 4e4 - 2e4).to(dtype) for _ in range(4)]
+    codec, reference = make(), make()
+    codec.setup(specs_of({"w": gradients[0]}), 1, seed=3)
+    reference.setup(specs_of({"w": gradients[0].float()}), 1, seed=3)
+    for layout in codec.layouts():
+        assert codec.wire_dtype(layout, dtype) == torch.float32
+        assert codec.wire_spec(codec.specs["w"], layout).bytes_per_element == 4
+    for step, gradient in enumerate(gradients):
+        decoded = powersgd_step(codec, {"w": gradient}, step)["w"]
+        expected = powersgd_step(reference, {"w": gradient.float()}, step)["w"]
+        assert decoded.dtype == dtype and bool(torch.isfinite(decoded).all())
+        assert torch.equal(decoded, expected.to(dtype))
+    assert codec.errors["w"].dtype == torch.float32
+    assert torch.equal(codec.errors["w"], reference.errors["w"])
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: ACPSGD(rank=2), lambda: SignSGD(),
+                                  lambda: TopK(density=0.25), lambda: MinMax8Bit(chunk=64)],
+                         ids=["powersgd", "acp_sgd", "signsgd", "topk", "minmax8"])
+def test_error_feedback_follows_a_loss_scale_change(make):
+    """The same gradients under a dynamic loss scale (2¹⁰, then backed off to 2⁹, then grown to
+    2¹¹), the error rescaled at each change: every decoded gradient is the unscaled run's times
+    the scale (the codecs are scale-equivariant, and powers of two scale exactly)."""
+    generator = torch.Generator().manual_seed(11)
+    gradients = [torch.randn(16, 32, generator=generator) for _ in range(4)]
+    scales = [2.0 ** 10, 2.0 ** 9, 2.0 ** 11, 2.0 ** 11]
+    plain, scaled = make(), make()
+    for codec in (plain, scaled):
+        codec.setup(specs_of({"w": gradients[0]}), 1, seed=2)
+    for step, (gradient, scale) in enumerate(zip(gradients, scales)):
+        if step and scale != scales[step - 1]:
+            scaled.rescale_errors(scale / scales[step - 1])
+        expected = powersgd_step(plain, {"w": gradient}, step)["w"]
+        decoded = powersgd_step(scaled, {"w": gradient * scale}, step)["w"]
+        torch.testing.assert_close(decoded / scale, expected, rtol=1e-5, atol=1e-6)
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ import torch
 from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
-from .gradients import all_finite, refuse_non_float
-from .low_rank import (WIRE_DTYPES, check_options, check_saved_state, check_wire_dtype, cpu_copies, error_buffer,
-                       fused_update_available, keep_error, on_the_wire, row_blocks, select_matrices, spare_buffer,
-                       subtract_low_rank, write_low_rank)
+from .gradients import all_finite, decoded_may_overflow, refuse_non_float
+from .low_rank import (check_options, check_saved_state, check_wire_dtype, compute_dtype, cpu_copies, error_buffer,
+                       fused_update_available, keep_error, layout_wire_dtype, on_the_wire, row_blocks, select_matrices,
+                       spare_buffer, subtract_low_rank, write_low_rank)
 from .orthogonalize import orthogonalize
 from .spec import CodecSpec
 
@@ -95,14 +95,16 @@ class ACPSGD(Codec):
         return (PLAIN, P_STEP, Q_STEP) if self.start_iter else (P_STEP, Q_STEP)
 
     def wire_spec(self, spec: TensorSpec, layout: str) -> TensorSpec:
-        if layout == PLAIN or spec.name not in self.shapes:
-            return on_the_wire(spec, self.wire_precision)
+        compressed = layout != PLAIN
+        if not compressed or spec.name not in self.shapes:
+            return on_the_wire(spec, self.wire_precision, compressed)
         n, m, r = self.shapes[spec.name]
         rows = n if layout == P_STEP else m
-        return on_the_wire(TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r)), self.wire_precision)
+        return on_the_wire(TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r)), self.wire_precision,
+                           compressed)
 
     def wire_dtype(self, layout: str, gradient_dtype: torch.dtype) -> torch.dtype:
-        return WIRE_DTYPES[self.wire_precision] if self.wire_precision else gradient_dtype
+        return layout_wire_dtype(self.wire_precision, layout != PLAIN, gradient_dtype)
 
     def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
         """Encode: one (n × m)·(m × r) product on M + E, formed once, and with error feedback the
@@ -125,7 +127,8 @@ class ACPSGD(Codec):
         like = grad if grad is not None else self.sums.get(name)
         if like is None:
             return None  # no gradient and no error yet: this rank contributes nothing
-        matrix = grad.reshape(n, m) if grad is not None else torch.zeros(n, m, dtype=like.dtype, device=like.device)
+        dtype = compute_dtype(like.dtype)
+        matrix = grad.reshape(n, m).to(dtype) if grad is not None else torch.zeros(n, m, dtype=dtype, device=like.device)
         query = self.query[name] = self._query(name, layout, step, matrix)
         if not self.error_feedback:
             factor = matrix @ query if layout == P_STEP else (query.T @ matrix).T.contiguous()
@@ -200,7 +203,8 @@ class ACPSGD(Codec):
         size = (n if layout == P_STEP else m) * r
         staging = self.staging.get(name)
         if staging is None or staging.numel() != size:
-            staging = self.staging[name] = torch.empty(size, dtype=parameter.dtype, device=parameter.device)
+            staging = self.staging[name] = torch.empty(size, dtype=compute_dtype(parameter.dtype),
+                                                       device=parameter.device)
         return staging
 
     def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
@@ -216,11 +220,19 @@ class ACPSGD(Codec):
             left, right = averaged.view(n, r), query
         else:
             left, right = query, averaged.view(m, r)
-        if all_finite(averaged):  # a step with inf or NaN (an fp16 overflow, skipped) is not the next one's query
-            self.p_prev[name], self.q_prev[name] = left.clone(), right.clone()
         gradient = super().reduced_target(name, parameter, step).view(n, m)
         write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
+        if decoded_may_overflow(averaged.dtype, gradient.dtype) and not all_finite(gradient):
+            return  # past fp16's range: the step is skipped, its new error dropped at the next encode
+        if all_finite(averaged):  # a step with inf or NaN (an fp16 overflow, skipped) is not the next one's query
+            self.p_prev[name], self.q_prev[name] = left.clone(), right.clone()
         self._commit_pending(name)
+
+    def rescale_errors(self, factor: float) -> None:
+        """E = sums − L·Rᵀ: the sums and the left factors are multiplied."""
+        for total in self.sums.values():
+            total.mul_(factor)
+        self.deferred = {name: (left * factor, right) for name, (left, right) in self.deferred.items()}
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:

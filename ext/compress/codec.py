@@ -117,6 +117,11 @@ class Codec:
             parameter: the parameter whose .grad receives the decoded gradient.
         """
 
+    def rescale_errors(self, factor: float) -> None:
+        """The loss scale became `factor` times what it was (a dynamic loss scaler's growth or
+        back-off): error feedback, kept in the scaled gradients' units, is multiplied by `factor`
+        so that the next step's M + E adds like to like. Nothing here: the identity keeps no error."""
+
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:
         """(state equal on every rank, this rank's own state), tensors on the CPU."""

@@ -66,6 +66,10 @@ class GatheredWithFeedback(Codec):
         if name in self.pending:
             self.errors[name] = self.pending.pop(name)
 
+    def rescale_errors(self, factor: float) -> None:
+        for error in self.errors.values():
+            error.mul_(factor)
+
     def state_dict(self) -> tuple[dict, dict]:
         """Shared: the options; per rank: the error-feedback vectors."""
         return ({"options": self._options()},

@@ -40,6 +40,13 @@ def every_element_finite(tensor: torch.Tensor) -> bool:
     return all_finite(tensor) or bool(torch.isfinite(tensor).all())
 
 
+def decoded_may_overflow(wire_dtype: torch.dtype, gradient_dtype: torch.dtype) -> bool:
+    """Whether a gradient decoded from a `wire_dtype` wire may hold inf where the wire held none:
+    packed bits, or a wider range than the gradient's (fp32 low-rank factors of an fp16 gradient,
+    whose product can exceed 65504)."""
+    return not wire_dtype.is_floating_point or torch.finfo(wire_dtype).max > torch.finfo(gradient_dtype).max
+
+
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernels work in fp16 and fp32; bf16 and fp64 tensors go through fp32."""
     return dtype if dtype in FLOAT_DTYPES else torch.float32

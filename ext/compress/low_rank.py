@@ -52,9 +52,31 @@ def check_wire_dtype(codec: str, wire_dtype) -> None:
                           f"got {wire_dtype!r}")
 
 
-def on_the_wire(spec: TensorSpec, wire_dtype: str | None) -> TensorSpec:
-    """`spec` with the element size of `wire_dtype` (as it is without one)."""
-    return spec if wire_dtype is None else replace(spec, bytes_per_element=WIRE_DTYPES[wire_dtype].itemsize)
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a low-rank codec forms a gradient's factors and keeps its error feedback in:
+    fp32 for 16-bit gradients, the gradient's own otherwise. A factor entry sums a row (or column)
+    of M + E against an orthonormal query, up to √m·max|M + E|: past fp16's 65504 at loss scales
+    the gradients themselves survive. And bf16's 8-bit mantissa drops the small residuals that
+    error feedback accumulates."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def layout_wire_dtype(wire_dtype: str | None, compressed: bool, gradient_dtype: torch.dtype) -> torch.dtype:
+    """What travels in a layout: `wire_dtype` if set; else in a compressed layout (factors and the
+    tensors sent whole beside them) the compute dtype, in the uncompressed warm-up the gradients'."""
+    if wire_dtype is not None:
+        return WIRE_DTYPES[wire_dtype]
+    return compute_dtype(gradient_dtype) if compressed else gradient_dtype
+
+
+def on_the_wire(spec: TensorSpec, wire_dtype: str | None, compressed: bool) -> TensorSpec:
+    """`spec` with the element size that travels (layout_wire_dtype's, from the element size alone:
+    2-byte gradients are fp16 or bf16)."""
+    if wire_dtype is not None:
+        return replace(spec, bytes_per_element=WIRE_DTYPES[wire_dtype].itemsize)
+    if compressed and spec.bytes_per_element == 2:
+        return replace(spec, bytes_per_element=torch.float32.itemsize)
+    return spec
 
 
 def select_matrices(codec: str, specs: Mapping[str, TensorSpec], rank: int,
@@ -163,14 +185,18 @@ def subtract_low_rank(matrix: torch.Tensor, error: torch.Tensor, p: torch.Tensor
 
 
 def write_low_rank(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> None:
-    """out ← P·Qᵀ (the decompressed gradient), written per row block.
+    """out ← P·Qᵀ (the decompressed gradient), written per row block; formed in the factors' dtype
+    and rounded once into a 16-bit `out`.
 
     Args:
         out: the contiguous (n, m) matrix written, e.g. the flat gradient viewed as (n, m).
-        p, q: the factors P (n, r) and Q (m, r), out's dtype and device.
+        p, q: the factors P (n, r) and Q (m, r), on out's device, of out's dtype or compute_dtype's.
     """
     for rows in row_blocks(out):
-        torch.mm(p[rows], q.T, out=out[rows])
+        if out.dtype == p.dtype:
+            torch.mm(p[rows], q.T, out=out[rows])
+        else:
+            out[rows].copy_(p[rows] @ q.T)
 
 
 def spare_buffer(spares: dict[tuple, list[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,10 @@ import torch
 
 from ..profile import TensorSpec
 from .codec import Codec
-from .gradients import all_finite, refuse_non_float
+from .gradients import all_finite, decoded_may_overflow, refuse_non_float
 from .orthogonalize import orthogonalize
-from .low_rank import (WIRE_DTYPES, check_options, check_saved_state, check_wire_dtype, cpu_copies, error_buffer,
-                       on_the_wire, select_matrices, subtract_low_rank, write_low_rank)
+from .low_rank import (check_options, check_saved_state, check_wire_dtype, compute_dtype, cpu_copies, error_buffer,
+                       layout_wire_dtype, on_the_wire, select_matrices, subtract_low_rank, write_low_rank)
 from .spec import CodecSpec
 
 PLAIN, P_ROUND, Q_ROUND = "plain", "P", "Q"
@@ -93,10 +93,10 @@ class PowerSGD(Codec):
             n, m, r = self.shapes[spec.name]
             rows = n if layout == P_ROUND else m
             wire = TensorSpec(spec.name, rows * r, spec.bytes_per_element, (rows, r))
-        return on_the_wire(wire, self.wire_precision)
+        return on_the_wire(wire, self.wire_precision, layout != PLAIN)
 
     def wire_dtype(self, layout: str, gradient_dtype: torch.dtype) -> torch.dtype:
-        return WIRE_DTYPES[self.wire_precision] if self.wire_precision else gradient_dtype
+        return layout_wire_dtype(self.wire_precision, layout != PLAIN, gradient_dtype)
 
     def compute_seconds(self, spec: TensorSpec, layout: str, flops_per_second: float) -> tuple[float, float]:
         """Round P: encode (M + E)·Q (two n×m×r products with error feedback, one without) and
@@ -144,9 +144,10 @@ class PowerSGD(Codec):
 
     def _matrix(self, name: str, grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
         n, m, _ = self.shapes[name]
+        dtype = compute_dtype(like.dtype)
         if grad is None:
-            return torch.zeros(n, m, dtype=like.dtype, device=like.device)
-        return grad.reshape(n, m)
+            return torch.zeros(n, m, dtype=dtype, device=like.device)
+        return grad.reshape(n, m).to(dtype)
 
     def _error(self, name: str, matrix: torch.Tensor) -> torch.Tensor | None:
         return error_buffer(self.errors, name, matrix) if self.error_feedback else None
@@ -164,7 +165,8 @@ class PowerSGD(Codec):
         size = self._wire_numel(name, self.round_of[name][1])
         staging = self.staging.get(name)
         if staging is None or staging.numel() != size:
-            staging = self.staging[name] = torch.empty(size, dtype=parameter.dtype, device=parameter.device)
+            staging = self.staging[name] = torch.empty(size, dtype=compute_dtype(parameter.dtype),
+                                                       device=parameter.device)
         return staging
 
     def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
@@ -183,14 +185,25 @@ class PowerSGD(Codec):
         n, m, r = self.shapes[name]
         basis, q_mean = self.basis.pop(name), self.staging[name].view(m, r)
         if self.error_feedback:
-            matrix = self._matrix(name, parameter.grad, basis)
+            matrix = self._matrix(name, parameter.grad, basis)  # M in the factors' dtype: a copy if that widens
+        gradient = super().reduced_target(name, parameter, step).view(n, m)  # parameter.grad
+        narrowed = decoded_may_overflow(q_mean.dtype, gradient.dtype)
+        if narrowed:  # decoded first: past fp16's range, the step is skipped and the state left as it was
+            write_low_rank(gradient, basis, q_mean)
+            if not all_finite(gradient):
+                return
+        if self.error_feedback:
             error = self._error(name, matrix)
             if all_finite(matrix, basis, q_mean):
                 subtract_low_rank(matrix, error, basis, q_mean)
         if all_finite(q_mean):  # a step with inf or NaN (an fp16 overflow, skipped) is no warm start
             self.q_prev[name] = q_mean.clone()
-        gradient = super().reduced_target(name, parameter, step)  # parameter.grad, flat
-        write_low_rank(gradient.view(n, m), basis, q_mean)
+        if not narrowed:  # M is the gradient itself: overwritten only now
+            write_low_rank(gradient, basis, q_mean)
+
+    def rescale_errors(self, factor: float) -> None:
+        for error in self.errors.values():
+            error.mul_(factor)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict, dict]:

@@ -86,10 +86,14 @@ class GradSyncZeroOptimizer:
 
     def step(self, closure=None):
         """gradsync's step: wait for the plan's ops, then ZeRO's step on the delivered partitions;
-        a step gradsync skipped for non-finite gradients is ZeRO's ``overflow``."""
+        a step gradsync skipped for non-finite gradients is ZeRO's ``overflow``. When ZeRO's
+        dynamic loss scaler changes the scale, the compressor's error feedback follows."""
+        scale = self.loss_scale
         self.gradsync.step()
         if self.gradsync.sync.last_step_skipped:
             self.overflow = True
+        if self.loss_scale != scale:
+            self.gradsync.sync.loss_scale_changed(self.loss_scale / scale)
 
     def zero_grad(self, set_to_none: bool = True):
         self.gradsync.zero_grad(set_to_none)

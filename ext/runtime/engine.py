@@ -263,6 +263,13 @@ class GradSync:
                              self.installed.plans[self.rounds_now[0]], self.last_step_skipped)
         self.installed.iteration_done(done, prediction.busy)
 
+    def loss_scale_changed(self, factor: float) -> None:
+        """The loss scale became `factor` times what it was at the last step: the codec's error
+        feedback, in the scaled gradients' units, follows it (``Codec.rescale_errors``). Call on
+        every rank between steps, as a dynamic loss scaler changes the scale on every rank alike."""
+        self.settle_step()
+        self.codec.rescale_errors(factor)
+
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The codec's state and step. Per-rank codec state (error feedback) of every rank is

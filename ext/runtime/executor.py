@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..compress import Codec
-from ..compress.gradients import checksum, every_element_finite
+from ..compress.gradients import checksum, decoded_may_overflow, every_element_finite
 from ..errors import ConfigError
 from ..plan import BACKWARD, REDUCE_SCATTER, Plan, ops_by_channel
 from .channels import Channels
@@ -84,6 +84,9 @@ class PlanExecutor:
         for index, state in enumerate(self.ops):
             for name in state.tensors:
                 self.ops_of_tensor.setdefault(name, []).append(index)
+        # gradients the flags cannot vouch for: decoded from a wire whose values may lie past their range
+        self.decoded_checked = {name for state in self.ops for name in state.tensors
+                                if decoded_may_overflow(state.buffer.dtype, self.parameters[name].dtype)}
         self.order = ops_by_channel(plan.ops)
         self.start_iteration(0)
 
@@ -257,7 +260,7 @@ class PlanExecutor:
         with record_function(f"gradsync::unpack {state.label}"):
             self._unpack(state)
         if self.nonfinite != "skip":  # else finish once every op is in: a skip must not commit half a step
-            self._finish(check_decoded=not state.buffer.is_floating_point())
+            self._finish()
 
     def _unpack(self, state: _OpState) -> None:
         """The reduced buffer's flags checked and its spans landed where the codec takes them."""
@@ -292,7 +295,7 @@ class PlanExecutor:
             if self.ops_left[name] == 0 and used[name]:
                 self.finishable.append(name)
 
-    def _finish(self, check_decoded: bool) -> None:
+    def _finish(self) -> None:
         """Let the codec write the gradients of the tensors whose ops are all done."""
         names, self.finishable = self.finishable, []
         started = time.perf_counter()
@@ -302,7 +305,7 @@ class PlanExecutor:
                     break
                 self.codec.finish(name, self.parameters[name], self.step)
                 grad = self.parameters[name].grad
-                if check_decoded and not every_element_finite(grad):
+                if name in self.decoded_checked and not every_element_finite(grad):
                     self._non_finite([name])
         self.decode_seconds += time.perf_counter() - started
 
@@ -323,7 +326,7 @@ class PlanExecutor:
     def wait_all(self) -> None:
         for index in range(len(self.ops)):
             self.wait(index)
-        self._finish(check_decoded=not self.ops[0].buffer.is_floating_point())
+        self._finish()
 
     def complete(self, name: str) -> bool:
         return all(self.ops[i].done for i in self.ops_of_tensor[name])
