@@ -63,7 +63,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def layout_wire_dtype(wire_dtype: str | None, compressed: bool, gradient_dtype: torch.dtype) -> torch.dtype:
     """What travels in a layout: `wire_dtype` if set; else in a compressed layout (factors and the
-    tensors sent whole beside them) the compute dtype, in the uncompressed warm-up the gradients'."""
+    tensors sent whole beside them) the compute dtype, in the uncompressed warm-up the gradients'.
+
+    Args:
+        wire_dtype: the codec's `wire_dtype` option, a name of WIRE_DTYPES or None.
+        compressed: whether the layout carries factors (not the uncompressed warm-up).
+        gradient_dtype: the dtype of the gradients the layout's op carries.
+    """
     if wire_dtype is not None:
         return WIRE_DTYPES[wire_dtype]
     return compute_dtype(gradient_dtype) if compressed else gradient_dtype
@@ -71,7 +77,12 @@ def layout_wire_dtype(wire_dtype: str | None, compressed: bool, gradient_dtype: 
 
 def on_the_wire(spec: TensorSpec, wire_dtype: str | None, compressed: bool) -> TensorSpec:
     """`spec` with the element size that travels (layout_wire_dtype's, from the element size alone:
-    2-byte gradients are fp16 or bf16)."""
+    2-byte gradients are fp16 or bf16).
+
+    Args:
+        spec: the tensor as it travels in the layout, at the gradient's element size.
+        wire_dtype, compressed: as in layout_wire_dtype.
+    """
     if wire_dtype is not None:
         return replace(spec, bytes_per_element=WIRE_DTYPES[wire_dtype].itemsize)
     if compressed and spec.bytes_per_element == 2:
