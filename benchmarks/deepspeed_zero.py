@@ -77,10 +77,12 @@ def rank_main(rank: int, world_size: int, row: str, steps: int, warmup: int) -> 
                                                                                        generator=generator)))
         engine.step()
 
+    built = peak_rss_mb() - before
     settling = 0
     while "gradsync" in spec and engine.gradsync.report().measuring and settling < MAX_SETTLING_STEPS:
         step()
         settling += 1
+    settled = peak_rss_mb() - before
     for _ in range(warmup):
         step()
     dist.barrier()
@@ -89,7 +91,8 @@ def rank_main(rank: int, world_size: int, row: str, steps: int, warmup: int) -> 
         step()
     elapsed = torch.tensor([time.perf_counter() - started])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    result = {"seconds": elapsed.item() / steps, "memory_mb": peak_rss_mb() - before, "settling_steps": settling}
+    result = {"seconds": elapsed.item() / steps, "memory_mb": peak_rss_mb() - before, "settling_steps": settling,
+              "memory_built_mb": built, "memory_settled_mb": settled}
     if "gradsync" in spec:
         report = engine.gradsync.report()
         result["plan"] = report.plan_summary()
@@ -160,7 +163,9 @@ def main() -> None:
                 results[row] = launch("benchmarks.deepspeed_zero:rank_main", 2, row, args.steps, args.warmup,
                                       timeout=1200, environment=environment)
                 print(f"round {index + 1}, {row}: {results[row][0]['seconds']:.3f} s/step, "
-                      f"{max(r['memory_mb'] for r in results[row]):.0f} MB "
+                      f"{max(r['memory_mb'] for r in results[row]):.0f} MB (built "
+                      f"{max(r['memory_built_mb'] for r in results[row]):.0f}, measured "
+                      f"{max(r['memory_settled_mb'] for r in results[row]):.0f}) "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
             rounds.append(results)
     lines = table(rounds, args)

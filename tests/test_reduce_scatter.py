@@ -34,8 +34,9 @@ def flat_partition(model: nn.Module, world_size: int) -> Partition:
 
 
 def reduce_scattered(rank, world_size, planner, nonfinite="raise", poison=None):
-    """One backward pass, then the plan's reduce-scatters: (owned spans equal torch's averaged
-    gradient, spans owned by others keep this rank's own gradient, bytes sent, outcome)."""
+    """One backward pass, then the plan's reduce-scatters: (this rank received exactly its owned
+    elements, each equal to torch's averaged gradient; every gradient released once packed; the
+    plan's op count; whether the step was skipped)."""
     model = mlp()
     inputs = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
     model(inputs).square().sum().backward()
@@ -60,16 +61,20 @@ def reduce_scattered(rank, world_size, planner, nonfinite="raise", poison=None):
         executor.wait_all()
     except NonFiniteGradient as error:
         return "raised", str(error)
-    owned = others = True
-    for name, parameter in model.named_parameters():
-        grad = parameter.grad.reshape(-1)
+    owned = True
+    for name, gradient in averaged.items():
+        mine = torch.zeros(gradient.numel(), dtype=torch.bool)
         for start, end, owner in partition.spans[name]:
-            expected = (averaged if owner == rank else local)[name].reshape(-1)[start:end]
-            if owner == rank:
-                owned &= torch.allclose(grad[start:end], expected, atol=1e-6)
-            else:
-                others &= torch.equal(grad[start:end], expected)
-    return owned, others, len(plan.ops), executor.skip_step
+            mine[start:end] = owner == rank
+        received = torch.zeros_like(mine)
+        for tensor, start, values in executor.reduced_partition():
+            if tensor == name:
+                owned &= not bool(received[start:start + values.numel()].any())  # each element once
+                received[start:start + values.numel()] = True
+                owned &= torch.allclose(values, gradient.reshape(-1)[start:start + values.numel()], atol=1e-6)
+        owned &= torch.equal(received, mine)
+    released = all(parameter.grad is None for parameter in model.parameters())
+    return owned, released, len(plan.ops), executor.skip_step
 
 
 PLANNERS = ("wfbp", "ddp", "mg_wfbp", "us_byte")
@@ -83,8 +88,8 @@ def each_planner(rank, world_size):
 def test_each_rank_receives_its_partition_of_the_average(world_size):
     for results in run_local(each_planner, world_size):
         assert set(results) == set(PLANNERS)
-        for owned, others, ops, skipped in results.values():
-            assert owned and others and not skipped and ops >= 1
+        for owned, released, ops, skipped in results.values():
+            assert owned and released and not skipped and ops >= 1
 
 
 def test_a_non_finite_gradient_outside_a_ranks_partition_skips_the_step_on_every_rank():
@@ -115,7 +120,8 @@ def test_a_partition_must_cover_every_tensor_once():
 
 def attached_with_partition(rank, world_size):
     """gradsync's runtime attached with a partition and its network probed: the reduce-scatter's own
-    fitted cost, plans of reduce-scatters, and each rank's partition of torch's averaged gradient."""
+    fitted cost, plans of reduce-scatters, each rank's partition of torch's averaged gradient, and
+    every gradient released."""
     from gradsync.runtime import attach, attached, check_wrap_arguments
 
     model = mlp()
@@ -127,18 +133,26 @@ def attached_with_partition(rank, world_size):
     model, optimizer = attach(model, torch.optim.SGD(model.parameters(), lr=0.1),
                               check_wrap_arguments("mg_wfbp", profile=profile), partition=partition)
     inputs = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    held = []  # the last layer's gradients, seen while the first layer's are computed
+    model[0].register_full_backward_pre_hook(lambda *_: held.append([p.grad for p in model[4].parameters()]))
     model(inputs).square().sum().backward()
     reference(inputs).square().sum().backward()
     optimizer.synchronize()
     runtime = attached(model)
-    owned = all(torch.allclose(parameter.grad.reshape(-1)[start:end],
-                               dict(reference.module.named_parameters())[name].grad.reshape(-1)[start:end], atol=1e-6)
-                for name, parameter in model.named_parameters()
-                for start, end, owner in partition.spans[name] if owner == rank)
+    expected = {name: parameter.grad.reshape(-1) for name, parameter in reference.module.named_parameters()}
+    received = list(runtime.executor.reduced_partition())
+    owned = sum(values.numel() for _, _, values in received) == sum(
+        end - start for spans in partition.spans.values() for start, end, owner in spans if owner == rank)
+    owned &= all(torch.allclose(values, expected[name][start:start + values.numel()], atol=1e-6)
+                 for name, start, values in received)
     cost = runtime.installed.cost
-    return owned, {op.collective for op in runtime.plan.ops}, cost.reduce_scatter_a is not None
+    # each gradient was copied into its ops' buffers from its hook and released, as ZeRO-2 frees them:
+    # the last layer's already while the first layer's were computed (before any op could launch)
+    released = all(parameter.grad is None for parameter in model.parameters()) and runtime.executor.released == set(
+        name for name, _ in model.named_parameters()) and held == [[None, None]]
+    return owned, released, {op.collective for op in runtime.plan.ops}, cost.reduce_scatter_a is not None
 
 
 def test_the_runtime_probes_the_reduce_scatter_and_plans_reduce_scatters_for_a_partition():
-    for owned, collectives, fitted in run_local(attached_with_partition, 2):
-        assert owned and collectives == {"reduce_scatter"} and fitted
+    for owned, released, collectives, fitted in run_local(attached_with_partition, 2):
+        assert owned and released and collectives == {"reduce_scatter"} and fitted

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ..runtime import SyncedOptimizer
+from ..runtime.executor import PlanExecutor
 from ..runtime.parameter_table import ParameterTable
 from ..runtime.partition import Partition
 
@@ -48,21 +49,36 @@ def zero_partition(zero: DeepSpeedZeroOptimizer, table: ParameterTable) -> Parti
     return Partition(spans, dist.get_world_size(group=zero.real_dp_process_group[0]))
 
 
-def deliver_partitions(zero: DeepSpeedZeroOptimizer) -> None:
-    """Fill ZeRO's ``averaged_gradients`` with this rank's partition of every group, read from the
-    parameters' gradients (averaged by gradsync at least on the elements this rank owns; a
-    parameter without a gradient contributes zeros), in ZeRO's own layout, offsets and dtype."""
+def deliver_partitions(zero: DeepSpeedZeroOptimizer, executor: PlanExecutor) -> None:
+    """Fill ZeRO's ``averaged_gradients`` with this rank's partition of every group, in ZeRO's own
+    layout, offsets and dtype. From what the plan's reduce-scatters received (the gradients are
+    released by then), or, for a compressor's plan, from the decoded whole gradients. A parameter
+    no rank used contributes zeros.
+
+    Args:
+        zero: the engine's ZeRO optimizer.
+        executor: the executor of gradsync's last step, its ops waited for.
+    """
+    groups = [zero._build_compact_grad_partition_buffer(index) for index in range(len(zero.params_in_partition))]
+    places = {}  # id(parameter) -> (group, first element this rank owns, its place in the partition, count)
     for index, parameters in enumerate(zero.params_in_partition):
-        group = zero._build_compact_grad_partition_buffer(index)
         rank = dist.get_rank(group=zero.real_dp_process_group[index])
         size = int(zero.partition_size[index])
         for parameter in parameters:
             identity = zero.get_param_id(parameter)
             start = int(zero.grad_start_offset[index][rank][identity])
             at = int(zero.grad_partition_insertion_offset[index][rank][identity])
-            count = min(parameter.numel() - start, size - at)
-            if parameter.grad is not None and count > 0:
-                group.flat_partition.narrow(0, at, count).copy_(parameter.grad.reshape(-1)[start:start + count])
+            places[id(parameter)] = index, start, at, min(parameter.numel() - start, size - at)
+    if executor.releases_gradients:
+        elements = ((executor.parameters[name], start, values) for name, start, values in executor.reduced_partition())
+    else:
+        elements = ((parameter, place[1], parameter.grad.reshape(-1)[place[1]:place[1] + place[3]])
+                    for parameter in executor.parameters.values()
+                    if parameter.grad is not None and (place := places.get(id(parameter))) and place[3] > 0)
+    for parameter, start, values in elements:
+        index, first, at, _ = places[id(parameter)]
+        groups[index].flat_partition.narrow(0, at + start - first, values.numel()).copy_(values)
+    for index, group in enumerate(groups):
         zero.averaged_gradients[index] = group
 
 
@@ -75,7 +91,7 @@ class ZeroStep(torch.optim.Optimizer):
         self.zero = zero
 
     def step(self, closure=None):
-        deliver_partitions(self.zero)
+        deliver_partitions(self.zero, self.zero.gradsync.sync.executor)
         return DeepSpeedZeroOptimizer.step(self.zero)
 
 

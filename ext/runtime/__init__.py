@@ -110,7 +110,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         arguments: the rest of ``wrap``'s arguments, checked.
         partition: for a sharded optimizer (ZeRO), the elements of each gradient each rank steps:
             then, uncompressed, the plans' ops are reduce-scatters that deliver each rank its
-            partition of the averaged gradients alone (a compressor's decoded gradients are whole).
+            partition of the averaged gradients alone, read with the current executor's
+            ``reduced_partition`` (the gradients are released once sent); a compressor's decoded
+            gradients are whole, in ``.grad``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -86,17 +86,21 @@ class Channels:
             return self.forests[channel].all_reduce(tensor, async_op=True)
         return dist.all_reduce(tensor, group=self.groups[channel], async_op=True)
 
-    def reduce_scatter(self, channel: int, output, inputs):
-        """Start a sum reduce-scatter on `channel`; returns the work handle.
+    def reduce_scatter(self, channel: int, inputs):
+        """Start a sum reduce-scatter on `channel`, in place: this rank's own part of `inputs`
+        becomes the sum over ranks of theirs (the other parts are left undefined); returns the
+        work handle. The backends read the inputs before writing the output (gloo copies them into
+        one flat buffer first; NCCL's reduce may run in place), so the output is the own part
+        itself and needs no buffer of its own.
 
         Args:
             channel: the channel's index.
-            output: this rank's result: the sum over ranks of their ``inputs[rank]``.
             inputs: one tensor per rank (sizes may differ between ranks' parts, alike on every rank).
         """
         if self.forests:
             raise ConfigError("the forest transport runs all-reduces only, not reduce-scatters")
-        return dist.reduce_scatter(output, inputs, group=self.groups[channel], async_op=True)
+        group = self.groups[channel]
+        return dist.reduce_scatter(inputs[dist.get_rank(group)], inputs, group=group, async_op=True)
 
     def destroy(self) -> None:
         for forest in self.forests:

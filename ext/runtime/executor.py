@@ -42,13 +42,14 @@ class _OpState:
     views: list[torch.Tensor]  # the buffer's span of each slice
     label: str  # "op<index in the plan>", in torch.profiler's ranges
     flags: list[torch.Tensor]  # the buffer's flag spans: one, or one after each rank's segment
-    # a reduce-scatter's: each rank's (start, end) of the buffer, what this rank receives, and the
-    # slices it lands from there (tensor, offset, length, position in `received`)
+    # a reduce-scatter's: each rank's (start, end) of the buffer, this rank's segment (reduced in
+    # place), and the slices it lands from there (tensor, offset, length, position in `received`)
     segments: list[tuple[int, int]] | None = None
     received: torch.Tensor | None = None
     own_slices: list[tuple[str, int, int, int]] | None = None
     own_views: list[torch.Tensor] | None = None  # the received buffer's span of each own slice
     gathered: list[torch.Tensor] | None = None
+    used: dict[str, float] = field(default_factory=dict)  # after unpacking: the summed used flag of each tensor
     waiting_for: set[str] = field(default_factory=set)
     work: object = None
     launched_at: float = 0.0
@@ -60,9 +61,11 @@ class NonFiniteGradient(FloatingPointError):
 
 
 class PlanExecutor:
-    """Runs `plan` (made on the codec's wire sizes) over `parameters` on `channels`; its
-    reduce-scatters deliver each rank the elements `partition` gives it (the others' spans of its
-    gradients keep this rank's own values)."""
+    """Runs `plan` (made on the codec's wire sizes) over `parameters` on `channels`. A plan of
+    reduce-scatters delivers each rank the elements `partition` gives it, read with
+    ``reduced_partition``: the sharded optimizer needs no others, so, as DeepSpeed's own ZeRO-2
+    copies each gradient into its bucket and frees it, each gradient is copied into its ops'
+    buffers as soon as it is final and released (``.grad`` set to None)."""
 
     def __init__(self, plan: Plan, parameters: dict, channels: Channels, codec: Codec | None = None,
                  layout: str = "plain", nonfinite: str = "raise", trace=None, partition: Partition | None = None):
@@ -84,6 +87,11 @@ class PlanExecutor:
         for index, state in enumerate(self.ops):
             for name in state.tensors:
                 self.ops_of_tensor.setdefault(name, []).append(index)
+        self.releases_gradients = bool(self.ops) and all(state.segments is not None for state in self.ops)
+        self.spans_of_tensor: dict[str, list[tuple[int, int, torch.Tensor]]] = {}  # (offset, length, buffer view)
+        for state in self.ops if self.releases_gradients else ():
+            for (name, offset, length, _), view in zip(state.slices, state.views):
+                self.spans_of_tensor.setdefault(name, []).append((offset, length, view))
         # gradients the flags cannot vouch for: decoded from a wire whose values may lie past their range
         self.decoded_checked = {name for state in self.ops for name in state.tensors
                                 if decoded_may_overflow(state.buffer.dtype, self.parameters[name].dtype)}
@@ -110,7 +118,7 @@ class PlanExecutor:
         for s in op.slices:
             slices.append((s.tensor, s.offset, s.length, position))
             position += s.length
-        buffer = torch.zeros(position + flag_count, dtype=dtype, device=device)
+        buffer = torch.empty(position + flag_count, dtype=dtype, device=device)
         views = [buffer[position:position + length] for _, _, length, position in slices]
         return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label,
                         [buffer[position:]])
@@ -134,12 +142,12 @@ class PlanExecutor:
                 position += length
             segments.append((begin, position + flag_count))
             position += flag_count
-        buffer = torch.zeros(position, dtype=dtype, device=device)
+        buffer = torch.empty(position, dtype=dtype, device=device)
         views = [buffer[at:at + length] for _, _, length, at in slices]
         flags = [buffer[end - flag_count:end] for _, end in segments]
         begin, end = segments[self.channels.rank]
         own = [(name, start, length, at - begin) for name, start, length, at in slices if begin <= at < end]
-        received = torch.zeros(end - begin, dtype=dtype, device=device)
+        received = buffer[begin:end]  # reduced in place (Channels.reduce_scatter)
         return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label, flags,
                         segments, received, own, [received[at:at + length] for _, _, length, at in own])
 
@@ -156,6 +164,8 @@ class PlanExecutor:
         self.ready: set[str] = set(ready or ())
         self.wires: dict[str, torch.Tensor | None] = {}
         self.ops_left = {name: len(indices) for name, indices in self.ops_of_tensor.items()}
+        self.packs_left = dict(self.ops_left)
+        self.released: set[str] = set()  # gradients in the buffers and released (plans of reduce-scatters)
         self.backward_over = False
         self.skip_step = False
         self.nonfinite_seen = False  # an averaged gradient held inf or NaN (skipped, let through or raised)
@@ -164,6 +174,8 @@ class PlanExecutor:
     def mark_ready(self, name: str) -> None:
         """Called from the gradient hook of parameter `name`."""
         self.ready.add(name)
+        if self.releases_gradients:
+            self._copy_in(name)
         for index in self.ops_of_tensor[name]:
             self.ops[index].waiting_for.discard(name)
         self._launch_ready()
@@ -187,7 +199,22 @@ class PlanExecutor:
     def _used(self, name: str) -> bool:
         """Whether this rank has a gradient of `name` to send: produced in this synchronised
         backward or in the no_sync ones before it (it holds their sum)."""
-        return name in self.ready and self.parameters[name].grad is not None
+        return name in self.ready and (name in self.released or self.parameters[name].grad is not None)
+
+    def _copy_in(self, name: str) -> None:
+        """Copy `name`'s final gradient (its hook has run) into its ops' buffers, each rank's share
+        of the mean, and release it."""
+        if self.parameters[name].grad is None:
+            return
+        wire = self._wire(name)
+        for offset, length, view in self.spans_of_tensor[name]:
+            torch.div(_span(wire, offset, length), self.channels.world_size, out=view)
+        self._release(name)
+
+    def _release(self, name: str) -> None:
+        self.wires.pop(name, None)
+        self.parameters[name].grad = None
+        self.released.add(name)
 
     def _wire(self, name: str) -> torch.Tensor | None:
         if name not in self.wires:
@@ -207,8 +234,8 @@ class PlanExecutor:
                 state.work = dist.all_gather(state.gathered, state.buffer, group=self.channels.groups[state.channel],
                                              async_op=True)
             elif state.segments is not None:
-                state.work = self.channels.reduce_scatter(
-                    state.channel, state.received, [state.buffer[start:end] for start, end in state.segments])
+                state.work = self.channels.reduce_scatter(state.channel,
+                                                          [state.buffer[start:end] for start, end in state.segments])
             else:
                 state.work = self.channels.all_reduce(state.channel, state.buffer)
 
@@ -217,6 +244,8 @@ class PlanExecutor:
         buffer = state.buffer
         gathering = self.codec.collective == "allgather"
         for (name, offset, length, _), target in zip(state.slices, state.views):
+            if name in self.released:  # copied in already
+                continue
             wire = self._wire(name)
             if wire is None:
                 target.zero_()
@@ -231,6 +260,10 @@ class PlanExecutor:
             nonfinite = ~torch.isfinite(checksum(buffer))
             for span in state.flags:
                 span[-1:].copy_(nonfinite)
+        for name in state.tensors:
+            self.packs_left[name] -= 1
+            if self.releases_gradients and self.packs_left[name] == 0 and name not in self.released:
+                self._release(name)
 
     # -- completion --------------------------------------------------------------------------------
     def wait(self, index: int) -> None:
@@ -280,9 +313,10 @@ class PlanExecutor:
                 if not bool(torch.isfinite(data[..., position:position + length]).all())]
             if bad:
                 self._non_finite(bad)
+        state.used = used
         views = state.views if state.own_views is None else state.own_views
         for (name, offset, length, position), view in zip(slices, views):
-            if not used[name]:
+            if not used[name] or self.releases_gradients:
                 continue
             parameter = self.parameters[name]
             target = self.codec.reduced_target(name, parameter, self.step)
@@ -327,6 +361,16 @@ class PlanExecutor:
         for index in range(len(self.ops)):
             self.wait(index)
         self._finish()
+
+    def reduced_partition(self):
+        """This rank's elements of the averaged gradients, as a plan of reduce-scatters received
+        them: (tensor, start, values) for elements [start, start + len(values)) of the flattened
+        gradient, of every tensor some rank used. Read once the ops are waited for, before the
+        next iteration's ops launch."""
+        for state in self.ops:
+            for (name, start, _, _), values in zip(state.own_slices, state.own_views):
+                if state.used[name]:
+                    yield name, start, values
 
     def complete(self, name: str) -> bool:
         return all(self.ops[i].done for i in self.ops_of_tensor[name])

@@ -18,6 +18,9 @@ from ..executor import PlanExecutor
 from . import median, now
 
 
+LARGEST_PROBE_BYTES = 16 << 20  # b is resolved at 4 MiB already; the probes' memory is the model's peak's
+
+
 def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
                  repeats: int = 5, collective: str = ALLREDUCE) -> CostModel:
     """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1,
@@ -26,7 +29,9 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     channel runs at once.
 
     Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
-    at most 64 MiB). Each size's time is the median of `repeats` runs, maximised over ranks (the
+    at most LARGEST_PROBE_BYTES), each a prefix of one buffer (the pair's second op has its own):
+    the probes run at wrap time, beside the model and its optimizer, and must not set the job's
+    peak memory. Each size's time is the median of `repeats` runs, maximised over ranks (the
     slowest rank is the one the others wait for).
 
     Args:
@@ -37,14 +42,16 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
         collective: the plans' ops' (``planning.plan_layouts``).
     """
     element = torch.tensor([], dtype=dtype).element_size()
-    largest = max(4 << 20, min(int(largest_bytes), 64 << 20))
+    largest = max(4 << 20, min(int(largest_bytes), LARGEST_PROBE_BYTES))
     sizes = []
     size = 4096
     while size < largest:
         sizes.append(size)
         size *= 4
     sizes.append(largest)
-    buffers = {s: torch.ones(max(1, s // element), dtype=dtype, device=device) for s in sizes}
+    pool = torch.ones(largest // element, dtype=dtype, device=device)
+    buffers = {s: pool[:max(1, s // element)] for s in sizes}
+    second = torch.ones_like(pool) if len(channels) > 1 else None
 
     def timed(size: int, channel_list: list[int], scatter: bool = False) -> float:
         samples = []
@@ -52,9 +59,9 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
             started = now(buffers[size].device)
             if scatter:
                 parts = list(buffers[size].tensor_split(channels.world_size))
-                works = [channels.reduce_scatter(0, torch.empty_like(parts[channels.rank]), parts)]
+                works = [channels.reduce_scatter(0, parts)]
             else:
-                works = [channels.all_reduce(c, buffers[size] if c == 0 else buffers[size].clone())
+                works = [channels.all_reduce(c, buffers[size] if c == 0 else second[:buffers[size].numel()])
                          for c in channel_list]
             for work in works:
                 work.wait()
