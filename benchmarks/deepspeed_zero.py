@@ -95,6 +95,9 @@ def rank_main(rank: int, world_size: int, row: str, steps: int, warmup: int) -> 
               "memory_built_mb": built, "memory_settled_mb": settled}
     if "gradsync" in spec:
         report = engine.gradsync.report()
+        timed = report.history[-steps:]
+        result["comm_wait_ms"] = 1e3 * statistics.median(stats.comm_wait for stats in timed)
+        result["codec_ms"] = 1e3 * statistics.median(stats.codec_time for stats in timed)
         result["plan"] = report.plan_summary()
         result["collectives"] = sorted({op.collective for op in engine.gradsync.plan.ops})
     engine.destroy()
@@ -165,8 +168,10 @@ def main() -> None:
                 print(f"round {index + 1}, {row}: {results[row][0]['seconds']:.3f} s/step, "
                       f"{max(r['memory_mb'] for r in results[row]):.0f} MB (built "
                       f"{max(r['memory_built_mb'] for r in results[row]):.0f}, measured "
-                      f"{max(r['memory_settled_mb'] for r in results[row]):.0f}) "
-                      f"({time.perf_counter() - started:.0f} s)", flush=True)
+                      f"{max(r['memory_settled_mb'] for r in results[row]):.0f})"
+                      + (f", comm wait {results[row][0]['comm_wait_ms']:.0f} ms, codec {results[row][0]['codec_ms']:.0f} ms"
+                         if "codec_ms" in results[row][0] else "")
+                      + f" ({time.perf_counter() - started:.0f} s)", flush=True)
             rounds.append(results)
     lines = table(rounds, args)
     OUT.write_text("\n".join(lines))
