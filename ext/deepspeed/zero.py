@@ -49,18 +49,10 @@ def zero_partition(zero: DeepSpeedZeroOptimizer, table: ParameterTable) -> Parti
     return Partition(spans, dist.get_world_size(group=zero.real_dp_process_group[0]))
 
 
-def deliver_partitions(zero: DeepSpeedZeroOptimizer, executor: PlanExecutor) -> None:
-    """Fill ZeRO's ``averaged_gradients`` with this rank's partition of every group, in ZeRO's own
-    layout, offsets and dtype. From what the plan's reduce-scatters received (the gradients are
-    released by then), or, for a compressor's plan, from the decoded whole gradients. A parameter
-    no rank used contributes zeros.
-
-    Args:
-        zero: the engine's ZeRO optimizer.
-        executor: the executor of gradsync's last step, its ops waited for.
-    """
-    groups = [zero._build_compact_grad_partition_buffer(index) for index in range(len(zero.params_in_partition))]
-    places = {}  # id(parameter) -> (group, first element this rank owns, its place in the partition, count)
+def partition_places(zero: DeepSpeedZeroOptimizer) -> dict[int, tuple[int, int, int, int]]:
+    """Where this rank's partition holds each parameter's elements, fixed once ZeRO is built:
+    id(parameter) -> (group, first element this rank owns, its place in the partition, count)."""
+    places = {}
     for index, parameters in enumerate(zero.params_in_partition):
         rank = dist.get_rank(group=zero.real_dp_process_group[index])
         size = int(zero.partition_size[index])
@@ -69,6 +61,21 @@ def deliver_partitions(zero: DeepSpeedZeroOptimizer, executor: PlanExecutor) -> 
             start = int(zero.grad_start_offset[index][rank][identity])
             at = int(zero.grad_partition_insertion_offset[index][rank][identity])
             places[id(parameter)] = index, start, at, min(parameter.numel() - start, size - at)
+    return places
+
+
+def deliver_partitions(zero: DeepSpeedZeroOptimizer, executor: PlanExecutor) -> None:
+    """Fill ZeRO's ``averaged_gradients`` with this rank's partition of every group, in ZeRO's own
+    layout, offsets and dtype. From what the plan's reduce-scatters received (the gradients are
+    released by then), or, for a compressor's plan, from the decoded whole gradients. A parameter
+    no rank used contributes zeros.
+
+    Args:
+        zero: the engine's ZeRO optimizer, taken over (``take_over``).
+        executor: the executor of gradsync's last step, its ops waited for.
+    """
+    groups = [zero._build_compact_grad_partition_buffer(index) for index in range(len(zero.params_in_partition))]
+    places = zero.gradsync_places
     if executor.releases_gradients:
         elements = ((executor.parameters[name], start, values) for name, start, values in executor.reduced_partition())
     else:
@@ -142,6 +149,7 @@ def take_over(zero: DeepSpeedZeroOptimizer, synced: SyncedOptimizer) -> None:
     zero._grad_acc_hooks.clear()
     synced.sync.wait_at_backward_end = True  # ZeRO's step updates every partition at once
     zero.gradsync = synced
+    zero.gradsync_places = partition_places(zero)
     zero.__class__ = extended(GradSyncZeroOptimizer, type(zero))
 
 

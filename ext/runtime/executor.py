@@ -298,7 +298,6 @@ class PlanExecutor:
     def _unpack(self, state: _OpState) -> None:
         """The reduced buffer's flags checked and its spans landed where the codec takes them."""
         flag_count = len(state.tensors) + 1
-        slices = state.slices if state.own_slices is None else state.own_slices
         if state.gathered is not None:
             data = torch.stack([b[:-flag_count] for b in state.gathered])
             flags = sum(b[-flag_count:] for b in state.gathered).tolist()
@@ -309,25 +308,29 @@ class PlanExecutor:
         if flags[-1]:  # a rank's share summed to inf or NaN; an overflowing sum of finite values names none,
             # except in a reduce-scatter, where this rank holds its own segment alone: every rank takes the flag
             bad = state.tensors if state.received is not None else [
-                name for name, _, length, position in slices
+                name for name, _, length, position in state.slices
                 if not bool(torch.isfinite(data[..., position:position + length]).all())]
             if bad:
                 self._non_finite(bad)
         state.used = used
-        views = state.views if state.own_views is None else state.own_views
-        for (name, offset, length, position), view in zip(slices, views):
-            if not used[name] or self.releases_gradients:
+        if state.received is None:  # a reduce-scatter's elements stay in its buffer (reduced_partition)
+            self._land(state, data, used)
+        for name in state.tensors:
+            self.ops_left[name] -= 1
+            if self.ops_left[name] == 0 and used[name]:
+                self.finishable.append(name)
+
+    def _land(self, state: _OpState, data: torch.Tensor, used: dict[str, float]) -> None:
+        """Each used tensor's reduced span where the codec takes it (or adopted as its gradient)."""
+        for (name, offset, length, position), view in zip(state.slices, state.views):
+            if not used[name]:
                 continue
             parameter = self.parameters[name]
             target = self.codec.reduced_target(name, parameter, self.step)
             if state.gathered is not None:
                 _span(target, offset, length).copy_(data[..., position:position + length])
-            elif state.received is not None or not _adopt_as_gradient(parameter, target, view):
+            elif not _adopt_as_gradient(parameter, target, view):
                 _span(target, offset, length).copy_(view)
-        for name in state.tensors:
-            self.ops_left[name] -= 1
-            if self.ops_left[name] == 0 and used[name]:
-                self.finishable.append(name)
 
     def _finish(self) -> None:
         """Let the codec write the gradients of the tensors whose ops are all done."""
