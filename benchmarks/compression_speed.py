@@ -72,6 +72,7 @@ def step_seconds(codec, parameters: dict, gradients: dict, step: int) -> float:
             target = codec.reduced_target(name, parameter, step)
             target.copy_(wire if codec.collective == "allreduce" else wire.unsqueeze(0))
             codec.finish(name, parameter, step)
+    codec.settle(applied=True)
     return synchronized_clock(device) - started
 
 
@@ -81,6 +82,7 @@ def prepared(codec_name: str, options: dict, gradients: dict) -> tuple:
     for parameter in parameters.values():
         parameter.grad = torch.zeros_like(parameter)
     codec = compress.get(codec_name, **options)
+    codec.may_skip_steps = False  # as under wrap's default nonfinite="raise"
     codec.setup({name: TensorSpec(name, g.numel(), 4, tuple(g.shape)) for name, g in gradients.items()}, 1, seed=0)
     return codec, parameters
 

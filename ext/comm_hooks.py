@@ -26,6 +26,7 @@ alternation). The averaged gradients are the same on every rank, and so is that 
 default group then, as torch's PowerSGD state does).
 """
 import random
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,7 @@ class CompressionState:
         self.seed = seed
         self._steps = 0  # synchronised iterations done with finite gradients (each bucket of one backward sees it)
         self._ending = False  # the current step's last bucket is in: the step counts once its gradients are known
-        self._checksum = None  # the sum of the current step's decoded gradients (inf or NaN if any is), on device
+        self._checksums = []  # each decoded bucket's sum in the current step (inf or NaN if a gradient is), on device
         self.set_up = False  # whether the codec is set up for the module's parameters
         self._saved = None  # a loaded state_dict, restored into the codec when it is set up
         self._detach()
@@ -150,9 +151,8 @@ class CompressionState:
         return buffer.copy_(gradient)
 
     def decoded(self, gradients: torch.Tensor) -> None:
-        """Note the averaged `gradients` of a bucket of the current step (in one `checksum` per step)."""
-        total = checksum(gradients)
-        self._checksum = total if self._checksum is None else self._checksum + total
+        """Note the averaged `gradients` of a bucket of the current step (their sum, checked once per step)."""
+        self._checksums.append(checksum(gradients))  # one append: the buckets' callbacks run on several threads
 
     @property
     def step(self) -> int:
@@ -165,15 +165,17 @@ class CompressionState:
         (a GradScaler skips it otherwise). DDP waits for every bucket before the optimizer step, so
         this runs at the next step's first bucket, or when the step is read or the state saved."""
         if self._ending:
-            if self._checksum is None or all_finite(self._checksum):
-                self._steps += 1
-            self._ending, self._checksum = False, None
+            applied = not self._checksums or all_finite(*self._checksums)
+            self.codec.settle(applied)
+            self._steps += applied
+            self._ending, self._checksums = False, []
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The step and the codec's state (this rank's: error feedback differs per rank)."""
+        step = self.step  # settles the last step first
         codec = self.codec.state_dict() if self.set_up else self._saved
-        return {"compressor": self.codec.name, "settings": self.codec.settings(), "step": self.step, "codec": codec}
+        return {"compressor": self.codec.name, "settings": self.codec.settings(), "step": step, "codec": codec}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict`'s result (saved by this rank)."""
@@ -181,7 +183,7 @@ class CompressionState:
         if saved != mine:
             raise ConfigError(f"comm hook state: the checkpoint was made with compressor and options {saved}, "
                               f"this state has {mine}")
-        self._steps, self._ending, self._checksum = state["step"], False, None
+        self._steps, self._ending, self._checksums = state["step"], False, []
         if state["codec"] is None:
             return
         if self.set_up:
@@ -220,8 +222,13 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         _launch(executor, step)
         executor.wait_all()
     _launch(last, step)
+    # the callback runs, and its closure is released, on the backend's thread: it holds the state and the
+    # executor weakly (DDP holds them until this future completes), so that the last reference to their
+    # process group is never dropped there (a process group destroyed from its own thread aborts the process)
+    state_ref, last_ref = weakref.ref(state), weakref.ref(last)
 
     def decoded(_) -> torch.Tensor:
+        state, last = state_ref(), last_ref()
         last.collected(0)
         for slot, gradient in zip(slots, gradients):
             if slot.grad.data_ptr() != gradient.data_ptr():  # the codec's own buffer, or the op's adopted

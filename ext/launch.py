@@ -10,6 +10,7 @@ caller's environment as it is at the call.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queues
 import shutil
 import socket
@@ -42,11 +43,11 @@ def _collect(queue, processes, timeout: float) -> dict:
     results, deadline = {}, time.monotonic() + timeout
     while len(results) < len(processes):
         for rank, status, value in _drain(queue, min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
-            results[rank] = (status, value)
+            results[rank] = (status, pickle.loads(value))
         dead = [r for r, p in enumerate(processes) if r not in results and p.exitcode not in (None, 0)]
         if dead:  # a report written just before the process ended may still be in the pipe: one more look
             for rank, status, value in _drain(queue, POLL_SECONDS):
-                results[rank] = (status, value)
+                results[rank] = (status, pickle.loads(value))
         for rank in dead:
             results.setdefault(rank, ("error", f"process exited with code {processes[rank].exitcode} "
                                                "without reporting"))
@@ -80,9 +81,11 @@ def _entry(rank, world_size, port, rendezvous, backend, threads, fn, args, queue
         # every rank's connections are up before any rank can finish and close its own: a rank done
         # first would otherwise close a connection its peer was still completing
         dist.barrier()
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # pickled here, by value: torch's queue would share a tensor's storage through a file descriptor
+        # and a server thread, which can outlive neither this process nor its exit
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException as exc:  # reported to the parent with its traceback
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        queue.put((rank, "error", pickle.dumps(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -90,8 +93,8 @@ def _entry(rank, world_size, port, rendezvous, backend, threads, fn, args, queue
 
 def run_local(fn, world_size: int, *args, backend: str = "gloo", threads: int = 1, timeout: float = 600.0,
               return_errors: bool = False):
-    """`fn(rank, world_size, *args)` on every rank; the list of their return values (plain Python
-    values: tensors would not outlive the rank's process).
+    """`fn(rank, world_size, *args)` on every rank; the list of their return values (anything that
+    pickles; tensors come back by value).
 
     A failing rank raises RankFailed, or with `return_errors` every rank's ("ok" | "error", value)
     comes back instead; a rank whose process dies without reporting (a crash, a kill, arguments

@@ -27,6 +27,7 @@ def one_worker_step(codec, name, gradient, step):
     wire = codec.encode(name, gradient, step)
     codec.reduced_target(name, parameter, step).copy_(wire)
     codec.finish(name, parameter, step)
+    codec.settle(applied=True)
     return parameter.grad
 
 
@@ -380,8 +381,9 @@ def test_a_step_whose_decoded_gradient_overflows_fp16_is_skipped_and_changes_not
 
 @pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
 def test_a_step_whose_gradient_is_never_applied_leaves_the_error_as_it_was(name):
-    """No rank used the tensor, or the step was skipped: the codec encoded but never finished, so
-    the next step starts from the error before it (nothing sent is lost from the feedback)."""
+    """No rank used the tensor (encoded, never finished), or the step was skipped (finished, then
+    settled as not applied): the next step starts from the error before it (nothing sent is lost
+    from the feedback), and the error changes only when an applied step settles."""
     codec = compress.get(name, rank=2, min_compression_rate=0)
     codec.setup({"w": TensorSpec("w", 12 * 10, 4, (12, 10))}, 1, seed=3)
     generator = torch.Generator().manual_seed(0)
@@ -391,16 +393,25 @@ def test_a_step_whose_gradient_is_never_applied_leaves_the_error_as_it_was(name)
         wire = codec.encode("w", parameter.grad, 0)
         codec.reduced_target("w", parameter, 0).copy_(wire)
         codec.finish("w", parameter, 0)
+    codec.settle(applied=True)
     before = codec.errors["w"].clone()
     assert before.abs().sum() > 0
     codec.encode("w", None, 1)  # this rank has no gradient, and no rank used the tensor: no finish
-    codec.encode("w", torch.randn(12, 10, generator=generator), 2)  # a skipped step: no finish either
+    codec.settle(applied=True)
     parameter.grad = torch.randn(12, 10, generator=generator)
-    for _ in codec.rounds(3):
-        wire = codec.encode("w", parameter.grad, 3)
-        codec.reduced_target("w", parameter, 3).copy_(wire)
-        assert torch.equal(codec.errors["w"], before)  # until the step's finish
-        codec.finish("w", parameter, 3)
+    for _ in codec.rounds(2):  # a step skipped for another tensor's inf
+        wire = codec.encode("w", parameter.grad, 2)
+        codec.reduced_target("w", parameter, 2).copy_(wire)
+        codec.finish("w", parameter, 2)
+    codec.settle(applied=False)
+    assert torch.equal(codec.errors["w"], before)
+    parameter.grad = torch.randn(12, 10, generator=generator)
+    for _ in codec.rounds(2):  # the skipped step does not count: step 2 again
+        wire = codec.encode("w", parameter.grad, 2)
+        codec.reduced_target("w", parameter, 2).copy_(wire)
+        codec.finish("w", parameter, 2)
+        assert torch.equal(codec.errors["w"], before)  # until the step settles
+    codec.settle(applied=True)
     assert not torch.equal(codec.errors["w"], before)
 
 
@@ -434,6 +445,7 @@ def test_one_all_zero_gradient_does_not_stop_compression(name, rank):
             wire = codec.encode("w", parameter.grad, step)
             codec.reduced_target("w", parameter, step).copy_(wire)
             codec.finish("w", parameter, step)
+        codec.settle(applied=True)
         norms.append(parameter.grad.norm().item())
     assert norms[0] == 0 and min(norms[1:]) > 0.1, norms
 
@@ -445,15 +457,19 @@ def test_a_non_finite_step_let_through_leaves_the_next_steps_finite(name):
     codec = compress.get(name, rank=2, min_compression_rate=0)
     codec.setup({"w": TensorSpec("w", 12 * 10, 4, (12, 10))}, 1, seed=3)
     generator = torch.Generator().manual_seed(0)
-    for step in range(4):
-        gradient = torch.randn(12, 10, generator=generator) * (float("inf") if step == 0 else 1.0)
+    step = 0
+    for attempt in range(4):
+        gradient = torch.randn(12, 10, generator=generator) * (float("inf") if attempt == 0 else 1.0)
         parameter = nn.Parameter(torch.zeros(12, 10))
         parameter.grad = gradient
         for _ in codec.rounds(step):
             wire = codec.encode("w", parameter.grad, step)
             codec.reduced_target("w", parameter, step).copy_(wire)
             codec.finish("w", parameter, step)
-        assert bool(torch.isfinite(parameter.grad).all()) == (step > 0), step
+        finite = bool(torch.isfinite(parameter.grad).all())
+        assert finite == (attempt > 0), attempt
+        codec.settle(applied=finite)
+        step += finite
 
 
 def test_fusion_thresholds_shrink_by_the_compression_rate():
@@ -480,7 +496,8 @@ def test_row_blocked_compression_follows_algorithm_2(step, monkeypatch):
     wire = codec.encode("w", gradient, step)
     query, combined = codec.query["w"], gradient + error
     codec.reduced_target("w", nn.Parameter(torch.zeros(30, 20)), step).copy_(wire)
-    codec.finish("w", nn.Parameter(torch.zeros(30, 20)), step)  # the step is applied: its error becomes current
+    codec.finish("w", nn.Parameter(torch.zeros(30, 20)), step)
+    codec.settle(applied=True)  # the step is applied: its error becomes current
     if step == 0:
         p, q = combined @ query, query
         expected_wire = p

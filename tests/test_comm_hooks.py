@@ -183,11 +183,12 @@ def test_a_resumed_hook_continues_bit_identically_and_an_overflow_leaves_its_sta
 
 
 def scaled_replica(module, compressor, front: str):
-    """`module` averaged through `compressor` by `front`: "hook" (torch DDP with gradsync's hook)
-    or "wrap" (gradsync.wrap, letting non-finite gradients through to the scaler). Both runs of a
-    comparison start from the same low-rank factors. Returns (model, optimizer)."""
+    """`module` averaged through `compressor` by `front`: "hook" (torch DDP with gradsync's hook,
+    one parameter per bucket) or "wrap" (gradsync.wrap, one op per parameter, letting non-finite
+    gradients through to the scaler). Both runs of a comparison start from the same low-rank
+    factors. Returns (model, optimizer)."""
     if front == "hook":
-        ddp = DDP(module)
+        ddp = DDP(module, bucket_cap_mb=ONE_PARAMETER_PER_BUCKET)
         ddp.register_comm_hook(CompressionState(module, compressor, seed=7), compression_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
     random.seed(7)  # rank 0 draws the codec's seed
@@ -195,10 +196,12 @@ def scaled_replica(module, compressor, front: str):
                          compressor=compressor, nonfinite="ignore", profile=synthetic_profile(module), cost=COST)
 
 
-def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", front="hook"):
+def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", front="hook", overflow="scale"):
     """Parameters after STEPS steps of fp16 autocast with torch's GradScaler on `device`, where step
-    `overflow_at` (None: none) first runs with a loss scale that overflows float16 (2^40): the
-    scaler must skip it and back off; then the step runs again at the scale of every other, 2^8."""
+    `overflow_at` (None: none) first runs with an overflow: the scaler must skip it and back off;
+    then the step runs again at the scale of every other, 2^8. `overflow`: "scale", a loss scale
+    that overflows float16 (2^40) in every gradient; "first_layer", an inf in rank 0's gradient of
+    the first layer's weight alone, the last to be averaged (after the other layers' are decoded)."""
     if device == "cuda":
         torch.cuda.set_device(0)
     module = model().to(device)
@@ -207,13 +210,17 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", f
     backed_off = None
     for step in range(STEPS):
         for overflowing in ([True, False] if step == overflow_at else [False]):
-            if overflowing:
+            if overflowing and overflow == "scale":
                 scaler.update(new_scale=2.0**40)
+            poison = module[0].weight.register_hook(lambda g: g * float("inf")) \
+                if overflowing and overflow == "first_layer" and rank == 0 else None
             inputs, targets = (t.to(device) for t in batch(rank, step))
             optimizer.zero_grad()
             with torch.autocast(device, dtype=torch.float16):
                 loss = torch.nn.functional.mse_loss(replica(inputs), targets)
             scaler.scale(loss).backward()
+            if poison is not None:
+                poison.remove()
             if front == "wrap":  # the scaler reads the gradients before the step
                 optimizer.synchronize()
             scaler.step(optimizer)
@@ -224,12 +231,15 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", f
     return {"parameters": flat(module).cpu(), "backed_off": backed_off}
 
 
-def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2, front="hook") -> None:
+def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2, front="hook",
+                         overflow="scale") -> None:
     """A step the GradScaler skips leaves training as without it: the same parameters, bitwise."""
-    skipped = run_local(under_grad_scaler, world_size, compressor, STEPS // 2, device, front, backend=backend)
+    skipped = run_local(under_grad_scaler, world_size, compressor, STEPS // 2, device, front, overflow,
+                        backend=backend)
     plain = run_local(under_grad_scaler, world_size, compressor, None, device, front, backend=backend)
     for with_overflow, without in zip(skipped, plain):
-        assert with_overflow["backed_off"] == 2.0**39  # the scaler saw the overflow: no update, scale halved
+        # the scaler saw the overflow: no update, scale halved
+        assert with_overflow["backed_off"] == (2.0**39 if overflow == "scale" else 2.0**7)
         assert torch.equal(with_overflow["parameters"], without["parameters"])
     assert all(torch.equal(skipped[0]["parameters"], other["parameters"]) for other in skipped)
     assert not torch.equal(plain[0]["parameters"], flat(model()))  # it trained
@@ -239,6 +249,15 @@ def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2,
 @pytest.mark.parametrize("compressor", [{"type": "acp_sgd", "rank": 2}, {"type": "powersgd", "rank": 2}])
 def test_a_step_the_grad_scaler_skips_under_fp16_autocast_leaves_training_as_without_it(compressor, front):
     skipped_beside_plain(compressor, front=front)
+
+
+@pytest.mark.parametrize("front", ["hook", "wrap"])
+@pytest.mark.parametrize("compressor", [{"type": "acp_sgd", "rank": 2}, {"type": "powersgd", "rank": 2},
+                                        {"type": "topk", "density": 0.1}])
+def test_an_inf_in_the_last_averaged_gradient_alone_leaves_the_earlier_ones_state(compressor, front):
+    """The scaler skips a step whose one inf is in the gradient averaged last: the codec's error
+    feedback and factors of the tensors decoded before it stay as they were."""
+    skipped_beside_plain(compressor, front=front, overflow="first_layer")
 
 
 @pytest.mark.gpu

@@ -36,6 +36,7 @@ def gathered_step(codec, name, gradient, step):
     wire = codec.encode(name, gradient, step)
     codec.reduced_target(name, parameter, step).copy_(wire.unsqueeze(0))
     codec.finish(name, parameter, step)
+    codec.settle(applied=True)
     return parameter.grad
 
 
@@ -50,6 +51,7 @@ def powersgd_step(codec, gradients, step):
             wire = codec.encode(name, parameter.grad, step)
             codec.reduced_target(name, parameter, step).copy_(wire)
             codec.finish(name, parameter, step)
+    codec.settle(applied=True)
     return {name: parameter.grad for name, parameter in parameters.items()}
 
 
@@ -171,6 +173,7 @@ def test_signsgd_wire_is_the_sign_bits_then_the_scale():
     parameter = nn.Parameter(torch.zeros(9))
     codec.reduced_target("g", parameter, 0).copy_(wire.unsqueeze(0))
     codec.finish("g", parameter, 0)
+    codec.settle(applied=True)
     assert torch.allclose(parameter.grad, scale * signs)
     assert torch.allclose(codec.errors["g"], gradient - scale * signs)  # E = p − s·sign(p)
 

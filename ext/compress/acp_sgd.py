@@ -4,7 +4,8 @@ Each matrix-shaped gradient M (viewed as (shape[0], -1)) travels as one low-rank
 alternating: on P steps Q = Orth(Q_prev), P = (M + E)·Q, E ← M + E − P·Qᵀ with the local P, then
 P is all-reduced and the gradient is P̄·Qᵀ; on Q steps P = Orth(P_prev), Q = (M + E)ᵀ·P,
 E ← M + E − P·Qᵀ, then Q is all-reduced and the gradient is P·Q̄ᵀ. The averaged factor becomes the
-next step's query ("reuse"). Vectors, and matrices where (n + m)·r·min_compression_rate ≥ n·m,
+next step's query ("reuse"); the new error and query become current when the step settles
+(``Codec.settle``), so a step skipped for an inf anywhere leaves them as they were. Vectors, and matrices where (n + m)·r·min_compression_rate ≥ n·m,
 travel uncompressed in the same ops. One all-reduce per step, so WFBP and tensor fusion apply as
 for plain gradients (§IV-B): the runtime plans the P and Q layouts separately on their own sizes.
 """
@@ -18,7 +19,7 @@ import torch
 from ..errors import ConfigError
 from ..profile import TensorSpec
 from .codec import Codec
-from .gradients import all_finite, decoded_may_overflow, refuse_non_float
+from .gradients import refuse_non_float
 from .low_rank import (check_options, check_saved_state, check_wire_dtype, compute_dtype, cpu_copies, error_buffer,
                        fused_update_available, keep_error, layout_wire_dtype, on_the_wire, row_blocks, select_matrices,
                        spare_buffer, subtract_low_rank, write_low_rank)
@@ -69,9 +70,10 @@ class ACPSGD(Codec):
         # subtraction (Algorithm 2, lines 6 and 11) is folded into the next step's pass over the rows
         self.sums: dict[str, torch.Tensor] = {}
         self.deferred: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the new (sums, factors) of this step's encode, made current by its finish: a step whose
-        # gradient is not applied leaves the error as it was (as the other codecs with feedback)
+        # the new (sums, factors) of this step's encode, and the averaged factors (P, Q) of its finish,
+        # made current by `settle`: a step whose gradient is not applied leaves the state as it was
         self.pending: dict[str, tuple[torch.Tensor, tuple | None]] = {}
+        self.finished: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.spares: dict[tuple, list[torch.Tensor]] = {}  # free error-sized buffers per shape
         self.query: dict[str, torch.Tensor] = {}  # the orthonormal factor of the current step
         self.staging: dict[str, torch.Tensor] = {}
@@ -134,7 +136,6 @@ class ACPSGD(Codec):
             factor = matrix @ query if layout == P_STEP else (query.T @ matrix).T.contiguous()
             return factor.reshape(-1)
         stored = error_buffer(self.sums, name, matrix)
-        self._drop_pending(name)
         deferred = self._deferred_on(name, matrix)
         total = spare_buffer(self.spares, matrix)
         if fused_update_available(stored, r):  # two products, then the Triton kernel writes the new E
@@ -153,32 +154,24 @@ class ACPSGD(Codec):
             compress = compress_p_with_error if layout == P_STEP else compress_q_with_error
             factor = compress(matrix, stored, deferred, query, total)
             factors = (factor, query) if layout == P_STEP else (query, factor)
-        # a non-finite M makes the factor non-finite: checking the small factor spares a pass over M
-        if all_finite(factor):
-            self.pending[name] = (total, factors)
-        else:
-            keep_error(self.sums, self.spares, name, total, accepted=False)
+        self.pending[name] = (total, factors)
         return factor.reshape(-1)
 
-    def _drop_pending(self, name: str) -> None:
-        """Forget the new error of a step whose gradient was never applied (no rank used the
-        tensor, or the step was skipped): the error stays the one before that step."""
-        stale = self.pending.pop(name, None)
-        if stale is not None:
-            keep_error(self.sums, self.spares, name, stale[0], accepted=False)
-
-    def _commit_pending(self, name: str) -> None:
-        """The step's gradient is applied: its new error E ← M + E − P·Qᵀ (Algorithm 2, lines 6
-        and 11) becomes the current one."""
-        pending = self.pending.pop(name, None)
-        if pending is None:
-            return
-        total, factors = pending
-        keep_error(self.sums, self.spares, name, total, accepted=True)
-        if factors is None:
-            self.deferred.pop(name, None)
-        else:
-            self.deferred[name] = factors
+    def settle(self, applied: bool) -> None:
+        """An applied step: the averaged factors of each finished tensor become the next step's
+        queries (Algorithm 2, lines 7 and 12) and its new error E ← M + E − P·Qᵀ (lines 6 and 11)
+        the current one. Otherwise, and for a tensor no rank used, the state stays as before."""
+        for name, (total, factors) in self.pending.items():
+            accepted = applied and name in self.finished
+            keep_error(self.sums, self.spares, name, total, accepted)
+            if accepted and factors is None:
+                self.deferred.pop(name, None)
+            elif accepted:
+                self.deferred[name] = factors
+        if applied:
+            for name, (left, right) in self.finished.items():
+                self.p_prev[name], self.q_prev[name] = left, right
+        self.pending, self.finished = {}, {}
 
     def _deferred_on(self, name: str, like: torch.Tensor):
         """The deferred factors of `name` on `like`'s device and dtype (moved once after a load)."""
@@ -222,11 +215,7 @@ class ACPSGD(Codec):
             left, right = query, averaged.view(m, r)
         gradient = super().reduced_target(name, parameter, step).view(n, m)
         write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
-        if decoded_may_overflow(averaged.dtype, gradient.dtype) and not all_finite(gradient):
-            return  # past fp16's range: the step is skipped, its new error dropped at the next encode
-        if all_finite(averaged):  # a step with inf or NaN (an fp16 overflow, skipped) is not the next one's query
-            self.p_prev[name], self.q_prev[name] = left.clone(), right.clone()
-        self._commit_pending(name)
+        self.finished[name] = (left.clone(), right.clone())
 
     def rescale_errors(self, factor: float) -> None:
         """E = sums − L·Rᵀ: the sums and the left factors are multiplied."""
@@ -252,7 +241,7 @@ class ACPSGD(Codec):
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
         self.sums = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
         self.deferred = {k: (left.clone(), right.clone()) for k, (left, right) in (per_rank or {}).get("deferred", {}).items()}
-        self.pending = {}
+        self.pending, self.finished = {}, {}
 
     def settings(self) -> dict:
         return {**self._options(), "seed": self.fixed_seed, "wire_dtype": self.wire_precision}

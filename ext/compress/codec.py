@@ -21,6 +21,9 @@ class Codec:
     name = "identity"
     collective = "allreduce"  # or "allgather": the wire of every rank reaches every rank
     per_rank_state = False  # True when state differs between ranks (error feedback)
+    # False where a non-finite gradient raises rather than skipping its step (wrap's nonfinite="raise"):
+    # `settle` is then never asked to drop a step, and `finish` may change the state in place
+    may_skip_steps = True
 
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:
         """Called once on every rank with the same tensors and seed (chosen by rank 0).
@@ -111,11 +114,18 @@ class Codec:
 
     def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
         """Once all of `name`'s wire is reduced: write the averaged gradient into parameter.grad.
+        State the step changes (error feedback, the next step's factors) waits for ``settle``.
 
         Args:
             name, step: as in ``encode``.
             parameter: the parameter whose .grad receives the decoded gradient.
         """
+
+    def settle(self, applied: bool) -> None:
+        """Every gradient of the step is decoded: make the state its encodes and finishes left
+        current if the step is `applied` (every averaged gradient finite), else drop it, so that a
+        skipped step (an fp16 overflow in any tensor, found after others were decoded) leaves the
+        state as it was. Nothing here: the identity keeps no state."""
 
     def rescale_errors(self, factor: float) -> None:
         """The loss scale became `factor` times what it was (a dynamic loss scaler's growth or

@@ -15,9 +15,10 @@ class GatheredWithFeedback(Codec):
     """What the all-gather codecs share: every tensor compressed from p = M + E with a local error
     E, every rank's wire staged as (world size, wire numel), the errors as per-rank state.
 
-    encode leaves the new error in `pending`; finish writes the decoded gradient and only then
-    makes the new error current, so a tensor whose gradient is not applied (no rank used it, or
-    the step is skipped before its finish) keeps its E instead of losing what was sent.
+    encode leaves the new error in `pending`; finish writes the decoded gradient and marks the
+    tensor's new error `finished`; settle makes the finished errors current if the step is
+    applied. A tensor whose gradient is not applied (no rank used it, or the step is skipped)
+    keeps its E instead of losing what was sent.
     Subclasses define `_decode(name, gathered, gradient)`, which writes the rank-averaged gradient
     decoded from `gathered` (world size, wire numel) into `gradient` (parameter.grad, flat), and
     `_options()`, the options that shape the state."""
@@ -38,6 +39,7 @@ class GatheredWithFeedback(Codec):
         super().setup(specs, world_size, seed)
         self.errors: dict[str, torch.Tensor] = {}
         self.pending: dict[str, torch.Tensor] = {}
+        self.finished: dict[str, torch.Tensor] = {}
         self.staging: dict[str, torch.Tensor] = {}
 
     def _corrected(self, name: str, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -64,7 +66,12 @@ class GatheredWithFeedback(Codec):
     def finish(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
         self._decode(name, self.staging[name], Codec.reduced_target(self, name, parameter, step))
         if name in self.pending:
-            self.errors[name] = self.pending.pop(name)
+            self.finished[name] = self.pending.pop(name)
+
+    def settle(self, applied: bool) -> None:
+        if applied:
+            self.errors.update(self.finished)
+        self.finished, self.pending = {}, {}
 
     def rescale_errors(self, factor: float) -> None:
         for error in self.errors.values():
@@ -84,4 +91,4 @@ class GatheredWithFeedback(Codec):
         if unknown:
             raise ConfigError(f"{self.name} state holds errors of tensors this model does not have: {unknown[:5]}")
         self.errors = {k: v.clone() for k, v in errors.items()}
-        self.pending = {}
+        self.finished, self.pending = {}, {}

@@ -4,7 +4,9 @@ Each matrix-shaped gradient M (viewed as (shape[0], -1)) with (n + m)·r·min_co
 travels as two low-rank factors per step, in two rounds, each a full plan: round "P" sends
 P = (M + E)·Orth(Q_prev) and, once every rank's P is averaged, P̂ = Orth(P̄); round "Q" sends
 Q = (M + E)ᵀ·P̂, and once Q is averaged the gradient is P̂·Q̄ᵀ and E ← M + E − P̂·Q̄ᵀ: the error is
-taken against the aggregated approximation, as torch's PowerSGD hook does. Q_prev is last step's Q̄
+taken against the aggregated approximation, as torch's PowerSGD hook does; it and the warm start
+become current when the step settles (``Codec.settle``), so a step skipped for an inf anywhere
+leaves them as they were. Q_prev is last step's Q̄
 (warm start) or a fresh Gaussian from the seed shared by every rank; like the torch hook, it is
 orthogonalised before use. Orth is QR for rank > 2 in fp32/fp64, Gram–Schmidt otherwise
 (gradsync.compress.orthogonalize).
@@ -29,7 +31,7 @@ import torch
 
 from ..profile import TensorSpec
 from .codec import Codec
-from .gradients import all_finite, decoded_may_overflow, refuse_non_float
+from .gradients import refuse_non_float
 from .orthogonalize import orthogonalize
 from .low_rank import (check_options, check_saved_state, check_wire_dtype, compute_dtype, cpu_copies, error_buffer,
                        layout_wire_dtype, on_the_wire, select_matrices, subtract_low_rank, write_low_rank)
@@ -69,6 +71,7 @@ class PowerSGD(Codec):
         self.q_prev = {name: torch.randn(m, r, generator=generator) for name, (n, m, r) in self.shapes.items()}
         self.errors: dict[str, torch.Tensor] = {}
         self._reset_step_state()
+        self.finished: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}  # (new E, Q̄), for `settle`
 
     def _reset_step_state(self) -> None:
         """What lives only within one step: the round each tensor is in, its bases and staging."""
@@ -181,25 +184,27 @@ class PowerSGD(Codec):
             self._finish_q(name, parameter, step)
 
     def _finish_q(self, name: str, parameter: torch.nn.Parameter, step: int) -> None:
-        """Gradient P̂·Q̄ᵀ (line 8); E ← M + E − P̂·Q̄ᵀ unless M or the factors are not finite."""
+        """Gradient P̂·Q̄ᵀ (line 8), written over M once the new E = M + E − P̂·Q̄ᵀ is formed beside
+        the current one (in its place where steps are never skipped); it and the warm start Q̄
+        become current when the step settles."""
         n, m, r = self.shapes[name]
         basis, q_mean = self.basis.pop(name), self.staging[name].view(m, r)
+        new_error = None
         if self.error_feedback:
             matrix = self._matrix(name, parameter.grad, basis)  # M in the factors' dtype: a copy if that widens
-        gradient = super().reduced_target(name, parameter, step).view(n, m)  # parameter.grad
-        narrowed = decoded_may_overflow(q_mean.dtype, gradient.dtype)
-        if narrowed:  # decoded first: past fp16's range, the step is skipped and the state left as it was
-            write_low_rank(gradient, basis, q_mean)
-            if not all_finite(gradient):
-                return
-        if self.error_feedback:
             error = self._error(name, matrix)
-            if all_finite(matrix, basis, q_mean):
-                subtract_low_rank(matrix, error, basis, q_mean)
-        if all_finite(q_mean):  # a step with inf or NaN (an fp16 overflow, skipped) is no warm start
-            self.q_prev[name] = q_mean.clone()
-        if not narrowed:  # M is the gradient itself: overwritten only now
-            write_low_rank(gradient, basis, q_mean)
+            new_error = torch.empty_like(error) if self.may_skip_steps else error  # else formed in place
+            subtract_low_rank(matrix, error, basis, q_mean, out=new_error)
+        write_low_rank(super().reduced_target(name, parameter, step).view(n, m), basis, q_mean)
+        self.finished[name] = (new_error, q_mean.clone())
+
+    def settle(self, applied: bool) -> None:
+        if applied:
+            for name, (new_error, q_mean) in self.finished.items():
+                if new_error is not None:
+                    self.errors[name] = new_error
+                self.q_prev[name] = q_mean
+        self.finished = {}
 
     def rescale_errors(self, factor: float) -> None:
         for error in self.errors.values():
@@ -218,6 +223,7 @@ class PowerSGD(Codec):
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
         self.errors = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
         self._reset_step_state()
+        self.finished = {}
 
     def settings(self) -> dict:
         return {**self._options(), "wire_dtype": self.wire_precision}

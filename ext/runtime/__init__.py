@@ -138,6 +138,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         raise
     writer = ChromeTrace(arguments.trace, channels.rank) if arguments.trace else None
     codec = arguments.codec
+    codec.may_skip_steps = arguments.nonfinite != "raise"
     codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
     installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
                                arguments.plan_trials, partition)

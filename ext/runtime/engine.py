@@ -161,7 +161,7 @@ class GradSync:
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
         self.executor = self.installed.executors[self.rounds_now[0]]
-        self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced)
+        self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced, ends_step=len(self.rounds_now) == 1)
         self.used_unsynced = set()
         self.step_unsettled = True
         if self.trace is not None:
@@ -177,11 +177,12 @@ class GradSync:
             with self.clock.updating(), waiting_for("the broadcast of rank 0's buffers after the backward pass",
                                                     self.channels.timeout):
                 _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
-        for layout in self.rounds_now[1:]:  # a later round starts once the one before is reduced
-            previous, self.executor = self.executor, self.installed.executors[layout]
+        for round_index in range(1, len(self.rounds_now)):  # a later round starts once the one before is reduced
+            previous, self.executor = self.executor, self.installed.executors[self.rounds_now[round_index]]
             self.clock.wait(previous, previous.wait_all)
             with self.clock.updating():  # the round's encoding
-                self.executor.start_iteration(previous.step, ready=previous.ready)
+                self.executor.start_iteration(previous.step, ready=previous.ready,
+                                              ends_step=round_index == len(self.rounds_now) - 1)
                 # a skip found in one round holds for the step
                 self.executor.skip_step, self.executor.nonfinite_seen = previous.skip_step, previous.nonfinite_seen
                 self.executor.end_backward()

@@ -152,10 +152,13 @@ class PlanExecutor:
                         segments, received, own, [received[at:at + length] for _, _, length, at in own])
 
     # -- one iteration ---------------------------------------------------------------------------
-    def start_iteration(self, step: int, ready: set[str] | None = None) -> None:
+    def start_iteration(self, step: int, ready: set[str] | None = None, ends_step: bool = False) -> None:
         """Reset for synchronised iteration `step`; `ready`: tensors already produced (in the
-        no_sync backward passes before this one, or in the step's earlier round)."""
+        no_sync backward passes before this one, or in the step's earlier round); `ends_step`:
+        this is the step's last round, whose completion settles the codec's step (``Codec.settle``)."""
         self.step = step
+        self.ends_step = ends_step
+        self.ops_open = len(self.ops)
         self.encode_seconds = 0.0
         for state in self.ops:
             state.waiting_for = set(state.tensors)
@@ -287,6 +290,7 @@ class PlanExecutor:
         whose ops are all done."""
         state = self.ops[index]
         state.done = True
+        self.ops_open -= 1
         if self.trace is not None:
             self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
                           state.buffer.numel() * state.buffer.element_size())
@@ -344,6 +348,9 @@ class PlanExecutor:
                 grad = self.parameters[name].grad
                 if name in self.decoded_checked and not every_element_finite(grad):
                     self._non_finite([name])
+            if self.ends_step and not self.ops_open:  # every gradient of the step is decoded (or skipped)
+                self.ends_step = False
+                self.codec.settle(applied=not self.nonfinite_seen)
         self.decode_seconds += time.perf_counter() - started
 
     def _non_finite(self, bad: list[str]) -> None:
