@@ -36,6 +36,7 @@ from . import compress
 from .agreement import check_same_on_all_ranks, share_from_first
 from .compress import Codec
 from .compress.gradients import all_finite, checksum
+from .compress.loss_scale import LossScaleFollower
 from .errors import ConfigError
 from .plan import Op, Plan, whole
 from .runtime.channels import Channels
@@ -78,6 +79,7 @@ class CompressionState:
         self._steps = 0  # synchronised iterations done with finite gradients (each bucket of one backward sees it)
         self._ending = False  # the current step's last bucket is in: the step counts once its gradients are known
         self._checksums = []  # each decoded bucket's sum in the current step (inf or NaN if a gradient is), on device
+        self._between_steps = True  # the next bucket is the first of a step
         self.set_up = False  # whether the codec is set up for the module's parameters
         self._saved = None  # a loaded state_dict, restored into the codec when it is set up
         self._detach()
@@ -89,6 +91,18 @@ class CompressionState:
         self._names: dict[int, str] = {}
         self._slots: dict[str, torch.Tensor] = {}
         self._gradients: dict[str, torch.Tensor] = {}
+        self._loss_scale: LossScaleFollower | None = None
+
+    def follow_loss_scale(self, read_scale) -> None:
+        """Follow the loss scale that `read_scale()` returns (a GradScaler's ``get_scale``), in this
+        process: read at each step's first bucket, before any gradient is encoded, when the codec
+        keeps error feedback; a change since the last one rescales the error feedback, kept in the
+        scaled gradients' units (``Codec.rescale_errors``).
+
+        Args:
+            read_scale: returns the loss scale the current backward pass ran with.
+        """
+        self._loss_scale = LossScaleFollower(read_scale)
 
     def _attach(self) -> None:
         """Step 1 (module docstring), at the first call in this process."""
@@ -193,7 +207,7 @@ class CompressionState:
 
     def __getstate__(self) -> dict:
         self.settle_step()
-        process_bound = ("_channels", "_executors", "_names", "_slots", "_gradients")
+        process_bound = ("_channels", "_executors", "_names", "_slots", "_gradients", "_loss_scale")
         state = {k: v for k, v in self.__dict__.items() if k not in process_bound}
         return {**state, "process_group": None}
 
@@ -211,7 +225,9 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """
     step = state.step  # settles the step before, if it ended
     rounds = [state.executor(bucket, layout) for layout in state.codec.rounds(step)]
-    state._ending = bucket.is_last()
+    if state._between_steps and state._loss_scale is not None:
+        state._loss_scale.follow(state.codec)
+    state._ending = state._between_steps = bucket.is_last()
     gradients = bucket.gradients()
     slots = list(rounds[0].parameters.values())
     for (name, slot), gradient in zip(rounds[0].parameters.items(), gradients):

@@ -43,6 +43,9 @@ class CompressionHookCallback:
             raise ConfigError(f"CompressionHook needs a strategy that wraps the model in DistributedDataParallel "
                               f"(strategy='ddp'), got {type(trainer.strategy).__name__}")
         model.register_comm_hook(self.state, compression_hook)
+        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16 AMP: the error feedback follows the scale
+            self.state.follow_loss_scale(scaler.get_scale)
 
     def state_dict(self) -> dict:
         """Every rank's state, gathered (a collective: Lightning calls it on every rank)."""

@@ -25,6 +25,7 @@ class GradSyncFabricOverrides(GradSyncArguments):
     gradsync instead; mixed into the DDPStrategy of each installed Fabric package."""
 
     LIGHTNING_OPTIONS = FABRIC_OPTIONS
+    PRECISION = "precision"
 
     def __init__(self, scheduler: str = "auto", compressor=None, options: dict | None = None, **keywords):
         """Args: as GradSyncArguments (the Fabric DDPStrategy's own options pass through)."""
@@ -40,7 +41,7 @@ class GradSyncFabricOverrides(GradSyncArguments):
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         if len(optimizers) != 1:
             raise ConfigError(f"{type(self).__name__} needs exactly one optimizer in fabric.setup, got {len(optimizers)}")
-        model, synced = wrap(module, optimizers[0], self.scheduler, self.compressor, **self.gradsync_options)
+        model, synced = wrap(module, optimizers[0], self.scheduler, self.compressor, **self._wrap_options())
         self.runtime = attached(model)
         return model, [synced], scheduler
 

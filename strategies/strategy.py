@@ -56,6 +56,7 @@ class GradSyncArguments:
 
     # the DDPStrategy's own arguments in this Lightning package; every other keyword goes to wrap
     LIGHTNING_OPTIONS = LIGHTNING_OPTIONS
+    PRECISION = "precision_plugin"  # the strategy's attribute holding its precision plugin
 
     def __init__(self, scheduler: str = "auto", compressor=None, options: dict | None = None, **keywords):
         """The strategy, every argument checked before any rank starts.
@@ -91,6 +92,17 @@ class GradSyncArguments:
         self.compressor = compressor
         self.gradsync_options = options
         self.runtime = None  # the GradSync attached to the model while fitting
+
+    def _wrap_options(self) -> dict:
+        """The user's gradsync options, and the GradScaler of fp16 AMP, if any: non-finite gradients
+        then default to "ignore" (the scaler skips such steps on every rank and lowers its scale, as
+        with DDP), and a compressor's error feedback follows the scale (``wrap``'s `grad_scaler`)."""
+        if self._grad_scaler() is None:
+            return self.gradsync_options
+        return {"grad_scaler": self._grad_scaler(), **self.gradsync_options}
+
+    def _grad_scaler(self):
+        return getattr(getattr(self, self.PRECISION), "scaler", None)
 
     @override
     def teardown(self) -> None:
@@ -166,16 +178,6 @@ class GradSyncOverrides(GradSyncArguments):
         # up overlapping forward-phase ops with the next forward)
         self.runtime.wait_at_backward_end = self._gradients_read_before_step()
         self.optimizers = [synced]
-
-    def _wrap_options(self) -> dict:
-        """The user's gradsync options; under a GradScaler (fp16 AMP) non-finite gradients default
-        to "ignore": the scaler skips such steps on every rank and lowers its scale, as with DDP."""
-        if self._grad_scaler() is None:
-            return self.gradsync_options
-        return {"nonfinite": "ignore", **self.gradsync_options}
-
-    def _grad_scaler(self):
-        return getattr(self.precision_plugin, "scaler", None)
 
     def training_step(self, *args, **kwargs):
         with self.precision_plugin.train_step_context():

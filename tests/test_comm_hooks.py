@@ -182,18 +182,20 @@ def test_a_resumed_hook_continues_bit_identically_and_an_overflow_leaves_its_sta
         assert result["overflowed"] and result["state_kept"]
 
 
-def scaled_replica(module, compressor, front: str):
+def scaled_replica(module, compressor, front: str, scaler):
     """`module` averaged through `compressor` by `front`: "hook" (torch DDP with gradsync's hook,
-    one parameter per bucket) or "wrap" (gradsync.wrap, one op per parameter, letting non-finite
-    gradients through to the scaler). Both runs of a comparison start from the same low-rank
-    factors. Returns (model, optimizer)."""
+    one parameter per bucket) or "wrap" (gradsync.wrap, one op per parameter), each following
+    `scaler`, the GradScaler. Both runs of a comparison start from the same low-rank factors.
+    Returns (model, optimizer)."""
     if front == "hook":
         ddp = DDP(module, bucket_cap_mb=ONE_PARAMETER_PER_BUCKET)
-        ddp.register_comm_hook(CompressionState(module, compressor, seed=7), compression_hook)
+        state = CompressionState(module, compressor, seed=7)
+        state.follow_loss_scale(scaler.get_scale)
+        ddp.register_comm_hook(state, compression_hook)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
     random.seed(7)  # rank 0 draws the codec's seed
     return gradsync.wrap(module, torch.optim.SGD(module.parameters(), lr=0.1), scheduler="wfbp",
-                         compressor=compressor, nonfinite="ignore", profile=synthetic_profile(module), cost=COST)
+                         compressor=compressor, grad_scaler=scaler, profile=synthetic_profile(module), cost=COST)
 
 
 def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", front="hook", overflow="scale"):
@@ -205,8 +207,8 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", f
     if device == "cuda":
         torch.cuda.set_device(0)
     module = model().to(device)
-    replica, optimizer = scaled_replica(module, compressor, front)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**8)
+    replica, optimizer = scaled_replica(module, compressor, front, scaler)
     backed_off = None
     for step in range(STEPS):
         for overflowing in ([True, False] if step == overflow_at else [False]):
@@ -221,9 +223,7 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", f
             scaler.scale(loss).backward()
             if poison is not None:
                 poison.remove()
-            if front == "wrap":  # the scaler reads the gradients before the step
-                optimizer.synchronize()
-            scaler.step(optimizer)
+            scaler.step(optimizer)  # under wrap, the backward pass ended with the gradients averaged
             scaler.update()
             if overflowing:
                 backed_off = scaler.get_scale()
@@ -263,6 +263,35 @@ def test_an_inf_in_the_last_averaged_gradient_alone_leaves_the_earlier_ones_stat
 @pytest.mark.gpu
 def test_a_step_the_grad_scaler_skips_on_cuda_leaves_training_as_without_it():
     skipped_beside_plain({"type": "acp_sgd", "rank": 2}, "cuda", "nccl", 1)
+
+
+def with_scale_changes(rank, world_size, compressor, front, scaled: bool):
+    """Parameters after STEPS fp32 steps with the loss scaled by a GradScaler (`scaled`) whose scale
+    starts at 2^10, is set to 2^6 after step 1 (a back-off) and to 2^12 after step 3 (a growth);
+    or with the scaler disabled (scale 1)."""
+    module = model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+    replica, optimizer = scaled_replica(module, compressor, front, scaler)
+    for step in range(STEPS):
+        inputs, targets = batch(rank, step)
+        optimizer.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(replica(inputs), targets)).backward()
+        scaler.step(optimizer)
+        scaler.update(new_scale={1: 2.0**6, 3: 2.0**12}.get(step))
+    return flat(module)
+
+
+@pytest.mark.parametrize("front", ["hook", "wrap"])
+@pytest.mark.parametrize("compressor", [{"type": "acp_sgd", "rank": 2}, {"type": "powersgd", "rank": 2},
+                                        {"type": "signsgd"}])
+def test_error_feedback_follows_the_grad_scalers_scale(compressor, front):
+    """The error feedback, kept in the scaled gradients' units, is rescaled at each change of the
+    scaler's scale: the run trains as the unscaled one (powers of two scale exactly)."""
+    scaled = run_local(with_scale_changes, 2, compressor, front, True)
+    plain = run_local(with_scale_changes, 2, compressor, front, False)
+    for with_scale, without in zip(scaled, plain):
+        torch.testing.assert_close(with_scale, without, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(plain[0], flat(model()))  # it trained
 
 
 def different_ranks(rank, world_size):

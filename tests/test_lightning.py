@@ -199,6 +199,25 @@ def fp16_with_grad_scaler():
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=FP16_INITIAL_SCALE))
 
 
+class LossScaleSeen(pl.Callback):
+    """Records, before each optimizer step, the GradScaler's scale and the one gradsync read for the
+    compressor's error feedback at the step's start (from `follower(trainer)`, a LossScaleFollower)."""
+
+    def __init__(self, follower):
+        self.follower, self.scales = follower, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        follower = self.follower(trainer)
+        self.scales.append((trainer.strategy.precision_plugin.scaler.get_scale(), follower and follower.seen))
+
+
+def fit_following_the_scale(root) -> dict:
+    """acp_sgd under fp16 AMP: the scales the runtime read, beside the GradScaler's."""
+    seen = LossScaleSeen(lambda trainer: trainer.strategy.runtime.loss_scale)
+    return {**fit(without_probes("acp_sgd"), root, plugins=[fp16_with_grad_scaler()], callbacks=[seen]),
+            "scales": seen.scales}
+
+
 def fit_recording_norms(strategy, root, recorder=NormsBeforeStep) -> dict:
     norms = recorder()
     return {**fit(strategy, root, callbacks=[norms]), "norms": norms.norms}
@@ -247,16 +266,20 @@ def resume_runs(rank, root: Path) -> dict:
 
 def fit_with_hook_callback(root, ckpt_path=None, callbacks=(), **options) -> dict:
     """Lightning's own `ddp` with gradsync's communication hook registered by the CompressionHook
-    callback (on the CPU too), acp_sgd: the parameters and the steps the hook synchronised."""
+    callback (on the CPU too), acp_sgd: the parameters and the steps the hook synchronised; under
+    a GradScaler, the scales the hook read for the error feedback beside the scaler's."""
     from gradsync.comm_hooks import CompressionState
     from gradsync.strategies import CompressionHook
 
     pl.seed_everything(0, verbose=False)
     model = Classifier()
     state = CompressionState(model, {"type": "acp_sgd", "rank": 2})
-    trainer = trainer_for("ddp", root, callbacks=[CompressionHook(state), *callbacks], **options)
+    seen = LossScaleSeen(lambda trainer: state._loss_scale)
+    scaled = any(isinstance(plugin, MixedPrecision) for plugin in options.get("plugins", ()))
+    trainer = trainer_for("ddp", root, callbacks=[CompressionHook(state), *callbacks, *([seen] if scaled else [])],
+                          **options)
     trainer.fit(model, batches(), ckpt_path=ckpt_path)
-    return {"params": flat(model), "hook_steps": state.step}
+    return {"params": flat(model), "hook_steps": state.step, "scales": seen.scales}
 
 
 def hook_resume_runs(root: Path) -> dict:
@@ -295,6 +318,8 @@ def all_runs(rank, world_size, root):
         results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(without_probes(name), root))
         results[f"norms_after_backward/{name}"] = attempt(
             lambda: fit_recording_norms(without_probes(name), root, NormsAfterBackward))
+    results["fp16/acp_sgd"] = attempt(lambda: fit_following_the_scale(root))
+    results["fp16/hook"] = attempt(lambda: fit_with_hook_callback(root, plugins=[fp16_with_grad_scaler()]))
     results["resume"] = resume_runs(rank, shared)
     results["hook_resume"] = hook_resume_runs(shared)
     return results
@@ -458,6 +483,20 @@ def test_on_before_optimizer_step_and_on_after_backward_see_synchronised_gradien
     assert len(expected) == STEPS
     for rank in (0, 1):
         assert ranks[rank][f"{hook}/us_byte"]["norms"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("run", ["fp16/acp_sgd", "fp16/hook"])
+def test_a_compressors_error_feedback_follows_the_grad_scaler(ranks, run):
+    """fp16 AMP with acp_sgd, through the strategy and through the hook's callback: at each step
+    gradsync read the scaler's scale for the error feedback (which it rescales at each change;
+    the rescaling itself is checked in test_comm_hooks), and the scale did change (back-offs)."""
+    for rank in (0, 1):
+        result = ranks[rank][run]
+        assert "error" not in result, result["error"]
+        scales = result["scales"]
+        assert len(scales) > 2 and all(scaler == seen for scaler, seen in scales), scales
+        assert len({scaler for scaler, _ in scales}) > 1, scales
+        assert bool(params(result).isfinite().all())
 
 
 @pytest.mark.parametrize("name", ["wfbp", "us_byte"])

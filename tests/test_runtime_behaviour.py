@@ -457,6 +457,8 @@ def test_iteration_stats_hold_the_codecs_encoding_and_decoding_time(scheduler):
         ({"scheduler": "fastest"}, "mg_wfbp"),
         ({"channels": 0}, "'channels'"),
         ({"nonfinite": "hope"}, "'nonfinite'"),
+        ({"grad_scaler": torch.amp.GradScaler("cpu"), "nonfinite": "raise"}, "'raise' with a 'grad_scaler'"),
+        ({"grad_scaler": 2.0**16}, "'grad_scaler' must be a torch.amp.GradScaler"),
         ({"scheduler": "us_byte", "partition_bytes": -1}, "partition_bytes"),
         ({"scheduler": "wfbp", "bucket": 3}, "unknown option"),
         ({"compressor": "zip"}, "compressor"),

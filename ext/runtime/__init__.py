@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from ..profile import ModelProfile
 from ..topology import Topology, complete
 from ..topology.allreduce import check_group_size
-from .arguments import WrapArguments, check_wrap_arguments
+from .arguments import WrapArguments, check_grad_scaler, check_wrap_arguments
 from .channels import Channels, control_group
 from .engine import GradSync, _broadcast_from_first, attached, check_not_attached, no_sync
 from .executor import NonFiniteGradient
@@ -51,7 +51,8 @@ def wrap(
     cost: CostModel | str | Path = "measure",
     trace: str | Path | None = None,
     timeout: float = 600.0,
-    nonfinite: str = "raise",
+    nonfinite: str | None = None,
+    grad_scaler=None,
     broadcast_buffers: bool = True,
     warmup_iterations: int = 1,
     measure_iterations: int = 3,
@@ -79,10 +80,14 @@ def wrap(
             slowdowns, probed at wrap time.
         trace: a path for a Chrome trace of this rank's hooks and ops (None: no trace).
         timeout: seconds any collective of gradsync may wait for a peer before PeersTimedOut.
-        nonfinite: ``"raise"`` (name the parameter), ``"skip"`` (skip the step on every rank) or
-            ``"ignore"`` (let them through, for a GradScaler to skip the step). A step whose
-            averaged gradients hold inf or NaN is no compressor step: the next runs as if it had
-            never been (Power-SGD's warm-up, ACP-SGD's P and Q alternation).
+        nonfinite: ``"raise"`` (name the parameter; the default), ``"skip"`` (skip the step on
+            every rank) or ``"ignore"`` (let them through, for a GradScaler to skip the step; the
+            default with `grad_scaler`). A step whose averaged gradients hold inf or NaN is no
+            compressor step: the next runs as if it had never been (Power-SGD's warm-up, ACP-SGD's
+            P and Q alternation).
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any: the backward pass
+            then ends once the gradients are averaged (the scaler reads them before the step), and
+            a compressor's error feedback follows each change of its scale.
         broadcast_buffers: give every rank rank 0's buffers after each backward pass, as DDP does.
         warmup_iterations, measure_iterations: iterations skipped, then timed, by ``profile="measure"``.
         plan_trials: with a choosing scheduler (``auto``) and a measured profile, how many plans to
@@ -95,10 +100,15 @@ def wrap(
             graph of the ranks).
         options: the scheduler's options (``gradsync.planners.spec(scheduler).options``).
     """
+    nonfinite = check_grad_scaler(grad_scaler, nonfinite)
     arguments = check_wrap_arguments(scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite,
                                      broadcast_buffers, warmup_iterations, measure_iterations, plan_trials,
                                      transport, topology, **options)
-    return attach(model, optimizer, arguments, process_group)
+    model, synced = attach(model, optimizer, arguments, process_group)
+    if grad_scaler is not None:
+        synced.sync.wait_at_backward_end = True
+        synced.sync.follow_loss_scale(grad_scaler.get_scale)
+    return model, synced
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: WrapArguments,

@@ -104,6 +104,21 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     )
 
 
+def check_grad_scaler(grad_scaler, nonfinite: str | None) -> str:
+    """``wrap``'s `nonfinite` mode given its `grad_scaler`: a GradScaler skips overflowing steps
+    itself, so the mode defaults to "ignore" with one and to "raise" without; "raise" with one,
+    and a scaler without ``get_scale``, are refused."""
+    if grad_scaler is None:
+        return "raise" if nonfinite is None else nonfinite
+    if not callable(getattr(grad_scaler, "get_scale", None)):
+        raise ConfigError(f"'grad_scaler' must be a torch.amp.GradScaler (with get_scale()), "
+                          f"got {type(grad_scaler).__name__}")
+    if nonfinite == "raise":
+        raise ConfigError("'nonfinite' 'raise' with a 'grad_scaler' would stop at the first overflow, which the "
+                          "scaler skips: use 'ignore' (the default with a grad_scaler) or 'skip'")
+    return "ignore" if nonfinite is None else nonfinite
+
+
 def _topology(transport: str, topology, codec: Codec) -> Topology | None:
     """The forest transport's topology: a Topology, a preset name or a topology file (YAML/JSON)."""
     if transport not in TRANSPORTS:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..agreement import waiting_for
+from ..compress.loss_scale import LossScaleFollower
 from ..errors import ConfigError
 from ..plan import Plan
 from .channels import Channels
@@ -64,6 +65,7 @@ class GradSync:
         self.used_unsynced: set[str] = set()  # parameters whose gradients accumulated under no_sync since the last sync
         self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
         self.wait_at_backward_end = False  # for front-ends whose hooks read the gradients before the step
+        self.loss_scale: LossScaleFollower | None = None  # a GradScaler's scale, followed by the error feedback
         self.steps_counted = 0  # synchronised steps settled so far with finite gradients: the codec's step
         self.step_unsettled = False  # the last synchronised backward's step, counted once its ops are all in
         self.rounds_now: tuple[str, ...] = ()  # the wire layouts the current iteration sends
@@ -160,6 +162,8 @@ class GradSync:
         self.flush_deferred()
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
+        if self.loss_scale is not None:
+            self.loss_scale.follow(self.codec)
         self.executor = self.installed.executors[self.rounds_now[0]]
         self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced, ends_step=len(self.rounds_now) == 1)
         self.used_unsynced = set()
@@ -263,6 +267,12 @@ class GradSync:
         done = IterationDone(stats, self.rounds_now, self.codec.rounds(next_step),
                              self.installed.plans[self.rounds_now[0]], self.last_step_skipped)
         self.installed.iteration_done(done, prediction.busy)
+
+    def follow_loss_scale(self, read_scale) -> None:
+        """Follow the loss scale that `read_scale()` returns (a GradScaler's ``get_scale``): read
+        at each synchronised backward's start, before any gradient is encoded, when the codec keeps
+        error feedback; a change since the last one rescales it (``compress.loss_scale``)."""
+        self.loss_scale = LossScaleFollower(read_scale)
 
     def loss_scale_changed(self, factor: float) -> None:
         """The loss scale became `factor` times what it was at the last step: the codec's error
