@@ -153,9 +153,15 @@ class PlanExecutor:
 
     # -- one iteration ---------------------------------------------------------------------------
     def start_iteration(self, step: int, ready: set[str] | None = None, ends_step: bool = False) -> None:
-        """Reset for synchronised iteration `step`; `ready`: tensors already produced (in the
-        no_sync backward passes before this one, or in the step's earlier round); `ends_step`:
-        this is the step's last round, whose completion settles the codec's step (``Codec.settle``)."""
+        """Reset for a synchronised iteration.
+
+        Args:
+            step: the codec's step (synchronised iterations with finite gradients before it).
+            ready: tensors already produced (in the no_sync backward passes before this one, or in
+                the step's earlier round).
+            ends_step: this is the step's last round: once its ops are all in and decoded, the
+                codec settles the step (``Codec.settle``).
+        """
         self.step = step
         self.ends_step = ends_step
         self.ops_open = len(self.ops)
