@@ -15,12 +15,16 @@ overhead is the median of their back-to-back ratios. One all-reduce cost model i
 and given to every gradsync row; it is fitted twice more, midway through the timed rounds and after
 them, and the rows' predictions are made with the median of the three fits (the host's interference
 drifts over a run: see `median_cost`), beside those made with the first fit alone.
+`--emulated` runs the zoo's ResNet-50, BERT-Base and MobileNet-V2 on emulated accelerators
+(gradsync.emulated: the layers' device times waited off the core, tensors scaled down with the link
+rates) at 4 and 8 ranks, and reports each setting's CPU use and steal beside its rows.
 `--topology` runs the rows on per-pair rate limits of a gradsync topology instead of uniform NICs.
 Rows run only when named: mg_wfbp_overlap and optimal_merge_overlap, the plans with their waits
 deferred to the next forward (the planners' `overlap_forward`).
 
     .venv/bin/python -m benchmarks.head_to_head              # every setting (about 30 minutes)
     .venv/bin/python -m benchmarks.head_to_head --quick      # CNN, 2 ranks, 1 Gbit/s, four rows
+    .venv/bin/python -m benchmarks.head_to_head --emulated   # the zoo's models on emulated V100s, 4 and 8 ranks
     .venv/bin/python -m benchmarks.head_to_head --models transformer --world-sizes 2 --rates 1gbit \\
         --rows ddp ddp_powersgd acp_sgd
 """
@@ -45,7 +49,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 import gradsync
+from gradsync.emulated import EmulatedModel
 from gradsync.launch import RankFailed
+from gradsync.profile.model_zoo import zoo
 from gradsync.runtime import attached
 from gradsync.runtime.channels import Channels
 from gradsync.runtime.measure.probes import measure_cost
@@ -64,15 +70,21 @@ CALIBRATION_LIMIT = 300  # steps a gradsync row may take to measure its profile 
 RESULTS = Path(__file__).parent / "results"
 
 
+def class_labels(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 10, (batch,), generator=generator)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """A model and one rank's synthetic batch of `batch` samples."""
+    """A model, one rank's synthetic batch of `batch` samples (inputs and targets) and its loss."""
 
     description: str
     batch: int
     samples: str  # what one sample is, for the report
     build_model: Callable[[], nn.Module]
     make_inputs: Callable[[int, torch.Generator], torch.Tensor]
+    make_targets: Callable[[int, torch.Generator], torch.Tensor] = class_labels
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
 
 
 class Block(nn.Module):
@@ -128,6 +140,42 @@ def tokens(batch: int, generator: torch.Generator) -> torch.Tensor:
 # ACP-SGD 193 ms: at least 4.17×; with 4 sequences 2.4-4.8× depending on the host's speed).
 WORKLOADS = {"cnn": Workload("CNN (small tensors)", 8, "images of 3×32×32", small_cnn, images),
              "transformer": Workload("transformer (large matrices)", 2, "sequences of 32 tokens", Transformer, tokens)}
+
+# Emulated accelerators (gradsync.emulated): the zoo's models with each layer's forward and backward
+# time on EMULATED_DEVICE, waited without occupying a core, and every tensor EMULATED_SIZE_SCALE times
+# its size, so that 4 and 8 ranks' transfers, reductions and gradient writes stay within 2 cores: a
+# link of R Gbit/s then carries what one of R / EMULATED_SIZE_SCALE Gbit/s carries for the full model.
+EMULATED_DEVICE = "V100"
+EMULATED_SIZE_SCALE = 0.05
+EMULATED_MODELS = {"emulated_resnet50": ("resnet50", "ResNet-50"), "emulated_bert_base": ("bert_base", "BERT-Base"),
+                   "emulated_mobilenet_v2": ("mobilenet_v2", "MobileNet-V2 (small tensors)")}
+
+
+def emulated_inputs(batch: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch, 1, generator=generator)
+
+
+def weighted_mean(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """An EmulatedModel's loss: its output weighed by the targets (every gradient is its parameter's
+    pattern times a scalar of the batch: gradsync.emulated)."""
+    return (output * targets).mean()
+
+
+def emulated_workload(zoo_name: str, description: str) -> Workload:
+    """The zoo's `zoo_name` as an EmulatedModel: its times are those of the zoo's batch on the
+    device; the batch it is given only weighs the gradients."""
+    def build() -> nn.Module:
+        return EmulatedModel(zoo(zoo_name, device=EMULATED_DEVICE), EMULATED_SIZE_SCALE)
+
+    return Workload(f"{description} emulated on a {EMULATED_DEVICE}, tensors ×{EMULATED_SIZE_SCALE:g}", 8,
+                    "weights (an emulated model's times are its profile's)", build, emulated_inputs,
+                    make_targets=emulated_inputs, loss=weighted_mean)
+
+
+REAL_MODELS = tuple(WORKLOADS)
+WORKLOADS.update({key: emulated_workload(*names) for key, names in EMULATED_MODELS.items()})
+# ≙ 10 and 40 Gbit/s for the full-size models: the papers' 10GbE, and a faster network
+EMULATED_RATES = ("0.5", "2")
 
 
 @dataclass(frozen=True)
@@ -191,9 +239,11 @@ class Variant:
     predicted: list[float] = field(default_factory=list)
     compute_scales: list[list[float]] = field(default_factory=list)  # per timed block, its iterations'
 
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.optimizer.zero_grad()
-        F.cross_entropy(self.model(inputs), labels).backward()
+        self.loss(self.model(inputs), labels).backward()
         self.optimizer.step()
 
     def block(self, inputs: torch.Tensor, labels: torch.Tensor, iterations: int, timed: bool) -> None:
@@ -328,23 +378,27 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     variants = [Variant(COMPUTE_ONLY, compute_only, torch.optim.SGD(compute_only.parameters(), lr=LEARNING_RATE),
                         gradsync=False)]
     variants += [make_variant(ROWS[key], base, cost, job["topology"]) for key in job["rows"]]
+    for variant in variants:
+        variant.loss = workload.loss
     generator = torch.Generator().manual_seed(rank)
-    inputs, labels = workload.make_inputs(workload.batch, generator), torch.randint(0, 10, (workload.batch,), generator=generator)
+    inputs, labels = workload.make_inputs(workload.batch, generator), workload.make_targets(workload.batch, generator)
     for variant in variants:
         variant.calibrate(inputs, labels)
     by_label = {variant.label: variant for variant in variants}
     midway = job["warmup_rounds"] + job["rounds"] // 2
+    cpu_started, wall_started = time.process_time(), time.perf_counter()
     for round_index in range(job["warmup_rounds"] + job["rounds"]):
         if round_index == midway:
             fits.append(shared_cost(base))
         for label in round_order(list(by_label)):
             by_label[label].block(inputs, labels, job["block"], timed=round_index >= job["warmup_rounds"])
+    cpu_share = (time.process_time() - cpu_started) / (time.perf_counter() - wall_started)
     fits.append(shared_cost(base))
     reports = {variant.label: variant.report() for variant in variants}
     for variant in variants:
         if variant.gradsync:
             attached(variant.model).detach()
-    return {"rows": reports, "cost": cost.to_dict(), "fits": [fit.to_dict() for fit in fits]}
+    return {"rows": reports, "cost": cost.to_dict(), "fits": [fit.to_dict() for fit in fits], "cpu_share": cpu_share}
 
 
 # -- summary ---------------------------------------------------------------------------------------
@@ -356,7 +410,11 @@ class Setting:
 
     @property
     def title(self) -> str:
-        return f"{WORKLOADS[self.model].description}, {self.world_size} ranks, {self.network}"
+        network = self.network
+        if self.model in EMULATED_MODELS and not network.startswith("topology"):
+            gbps = RATE_PRESETS.get(network) or float(network)
+            network = f"{gbps:g} Gbit/s (≙ {gbps / EMULATED_SIZE_SCALE:g} Gbit/s for the full-size model)"
+        return f"{WORKLOADS[self.model].description}, {self.world_size} ranks, {network}"
 
 
 @dataclass(frozen=True)
@@ -507,6 +565,32 @@ def error_by_world_size(summaries: dict[Setting, dict[str, RowResult]]) -> str:
 AUTO_WITHIN = 0.03  # auto's target: within 3% of the best fixed planner
 
 
+def best_plan_target(results: dict[str, RowResult], plan_rows: list[str], goal: float) -> str:
+    """The fastest non-compressing gradsync plan against torch DDP, with its verdict."""
+    ratios = {label: speedup(results, label) for label in plan_rows if label in results}
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    best = max(ratios, key=ratios.get) if ratios else None
+    return "best non-compressing plan" + (f" ({best}) " if best else " ") + speedup_target(ratios.get(best),
+                                                                                          "torch DDP", goal)
+
+
+def emulated_targets(setting: Setting, results: dict[str, RowResult], plan_rows: list[str]) -> list[str]:
+    """The emulated regime's targets: on the small-tensor model at 8 ranks, mg_wfbp ≥ 1.15× wfbp
+    and the best plan ≥ 1.2× torch DDP; everywhere, the direction of the papers' gains (asc_wfbp
+    over mg_wfbp, us_byte over bytescheduler)."""
+    lines, label = [], f"- {setting.model}, {setting.world_size} ranks, {setting.network}: "
+    if setting.model == "emulated_mobilenet_v2" and setting.world_size == 8:
+        lines.append(label + "mg_wfbp " + speedup_target(speedup(results, ROWS["mg_wfbp"].label, ROWS["wfbp"].label),
+                                                         "wfbp", 1.15) + "; " + best_plan_target(results, plan_rows, 1.2))
+    gains = [(faster, slower) for faster, slower in (("asc_wfbp", "mg_wfbp"), ("us_byte", "bytescheduler"))
+             if ROWS[faster].label in results and ROWS[slower].label in results]
+    if gains:
+        lines.append(label + "; ".join(
+            f"{faster} {speedup(results, ROWS[faster].label, ROWS[slower].label):.2f}× {slower}"
+            for faster, slower in gains) + " (the papers report gains: > 1×)")
+    return lines
+
+
 def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list[str]) -> str | None:
     """auto against torch DDP (target ≥ 1×) and against the fastest fixed non-compressing plan of
     the setting (target: within 3%), with the iterations its trials took; None without an auto row."""
@@ -536,12 +620,9 @@ def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
         if auto is not None:
             lines.append(auto)
         if setting.model == "cnn" and setting.network == "1gbit":
-            ratios = {label: speedup(results, label) for label in plan_rows if label in results}
-            ratios = {k: v for k, v in ratios.items() if v is not None}
-            best = max(ratios, key=ratios.get) if ratios else None
-            lines.append(f"- CNN, {setting.world_size} ranks, 1 Gbit/s: best non-compressing plan"
-                         + (f" ({best}) " if best else " ")
-                         + speedup_target(ratios.get(best), "torch DDP", 1.15))
+            lines.append(f"- CNN, {setting.world_size} ranks, 1 Gbit/s: " + best_plan_target(results, plan_rows, 1.15))
+        if setting.model in EMULATED_MODELS:
+            lines += emulated_targets(setting, results, plan_rows)
         if setting.model == "transformer" and setting.network == "1gbit":
             acp = ROWS["acp_sgd"].label
             lines.append(f"- transformer, {setting.world_size} ranks, 1 Gbit/s: acp_sgd "
@@ -588,8 +669,6 @@ NOTES = [
     " choosing (plan trials, run alone: rounds of 2 iterations per plan, forth then back, torch DDP's buckets"
     " kept unless another plan is faster at 95% confidence; the slowest rank's median visit; the iterations"
     " they took).",
-    "One rank's batch of synthetic data: " + ", ".join(f"{name} {w.batch} {w.samples}" for name, w in WORKLOADS.items())
-    + ", sized for the balance of computation and communication at 1 Gbit/s (REPRODUCTION.md).",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"
     " PowerSGD hook and gradsync's powersgd and acp_sgd alike; plain SGD (lr 0.01) everywhere. The PowerSGD"
     " hook row runs DDP with one bucket: on gloo the hook's second all-reduce is launched from a callback"
@@ -597,10 +676,30 @@ NOTES = [
 ]
 
 
+def workload_notes(models: set[str]) -> list[str]:
+    """What the run's models compute: real ranks' batches, or the emulated accelerators."""
+    notes = []
+    real = [name for name in REAL_MODELS if name in models]
+    if real:
+        notes.append("One rank's batch of synthetic data: " + ", ".join(
+            f"{name} {WORKLOADS[name].batch} {WORKLOADS[name].samples}" for name in real)
+            + ", sized for the balance of computation and communication at 1 Gbit/s (REPRODUCTION.md).")
+    if models - set(real):
+        notes.append(
+            f"Emulated models (gradsync.emulated): the zoo's layers with their forward and backward times on a"
+            f" {EMULATED_DEVICE}, waited without occupying a core, so that the ranks' cores are left to the"
+            f" communication as on the papers' GPUs; every tensor holds {EMULATED_SIZE_SCALE:g} of its elements"
+            f" (gradient writes, reductions and transfers stay within 2 cores), so a link of R Gbit/s stands for"
+            f" R / {EMULATED_SIZE_SCALE:g} Gbit/s for the full-size model. The compressors' encoding and decoding"
+            " is real CPU work on the scaled tensors.")
+    return notes
+
+
 def markdown(command: str, summaries: dict[Setting, dict[str, RowResult]], costs: dict[Setting, str],
              failures: dict[Setting, str], environment: str) -> str:
+    models = {setting.model for setting in [*summaries, *failures]}
     lines = ["# Head-to-head on the emulated cluster", "", f"Command: `{command}`", "", environment, "",
-             *NOTES, "", "## Targets", "", *targets(summaries), ""]
+             *NOTES, *workload_notes(models), "", "## Targets", "", *targets(summaries), ""]
     for setting in [*summaries, *failures]:
         lines += [f"## {setting.title}", ""]
         if setting in failures:
@@ -671,6 +770,18 @@ def steal_note(before: float | None, after: float | None, seconds: float) -> str
             f" ({stolen / (seconds * os.cpu_count()):.1%} of its cores' time).")
 
 
+def host_line(reports: list[dict], stolen: float | None, seconds: float) -> str:
+    """How busy the host was in a setting's rounds: each rank's CPU time (its threads', gloo's
+    included) per second of them, and the hypervisor's steal over the job, so that a reader can
+    tell a measurement of scheduling from one of the host's contention."""
+    shares = [report["cpu_share"] for report in reports]
+    line = (f"Host: the ranks used {statistics.fmean(shares):.0%} of a core each on average (at most"
+            f" {max(shares):.0%}) during the rounds, {sum(shares):.2f} of the machine's {os.cpu_count()} cores")
+    if stolen is not None:
+        line += f"; the hypervisor took {stolen / (seconds * os.cpu_count()):.1%} of the cores' time during the job"
+    return line + "."
+
+
 def network_specs(args) -> list[tuple[str, int, object, dict | None]]:
     """(network name, world size, NetSpec, topology as a dict or None) for every network of the run."""
     if args.topology:
@@ -689,7 +800,7 @@ def run_settings(args) -> tuple[dict, dict, dict]:
             for model in args.models:
                 setting = Setting(model, world_size, network)
                 print(f"running: {setting.title}", flush=True)
-                started = time.perf_counter()
+                started, steal_before = time.perf_counter(), stolen_cpu_seconds()
                 try:
                     reports = launch("benchmarks.head_to_head:rank_main", world_size,
                                      {**job, "model": model, "topology": topology}, timeout=args.timeout)
@@ -699,16 +810,24 @@ def run_settings(args) -> tuple[dict, dict, dict]:
                     print(f"  failed: {failures[setting]}", flush=True)
                     continue
                 summaries[setting] = summarise(reports)
-                costs[setting] = cost_line(reports[0]["fits"], world_size)
+                steal_after = stolen_cpu_seconds()
+                stolen = None if steal_before is None or steal_after is None else steal_after - steal_before
+                costs[setting] = (cost_line(reports[0]["fits"], world_size) + "\n\n"
+                                  + host_line(reports, stolen, time.perf_counter() - started))
                 print(f"  done in {time.perf_counter() - started:.0f} s", flush=True)
     return summaries, costs, failures
 
 
 def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog="python -m benchmarks.head_to_head", description=__doc__.splitlines()[0])
-    cli.add_argument("--models", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
-    cli.add_argument("--world-sizes", nargs="+", type=int, default=[2, 4])
-    cli.add_argument("--rates", nargs="+", default=list(RATE_PRESETS), help="NIC rates: 1gbit, 10gbit or Gbit/s")
+    cli.add_argument("--models", nargs="+", choices=list(WORKLOADS),
+                     help=f"default: {', '.join(REAL_MODELS)}; with --emulated {', '.join(EMULATED_MODELS)}")
+    cli.add_argument("--world-sizes", nargs="+", type=int, help="default: 2 4; with --emulated 4 8")
+    cli.add_argument("--rates", nargs="+", help="NIC rates: 1gbit, 10gbit or Gbit/s (default: "
+                     f"{' '.join(RATE_PRESETS)}; with --emulated {' '.join(EMULATED_RATES)})")
+    cli.add_argument("--emulated", action="store_true",
+                     help=f"the zoo's models on emulated {EMULATED_DEVICE}s (computation that leaves the cores free), "
+                          f"4 and 8 ranks, tensors ×{EMULATED_SIZE_SCALE:g}")
     cli.add_argument("--topology", help="a gradsync topology preset or file: per-pair rates instead of --rates")
     cli.add_argument("--inter-gbps", type=float, default=1.0, help="inter-machine Gbit/s of a cluster preset")
     cli.add_argument("--rows", nargs="+", choices=list(ROWS),
@@ -731,6 +850,9 @@ def default_rows(topology: bool) -> list[str]:
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
+    args.models = args.models or list(EMULATED_MODELS if args.emulated else REAL_MODELS)
+    args.world_sizes = args.world_sizes or ([4, 8] if args.emulated else [2, 4])
+    args.rates = args.rates or list(EMULATED_RATES if args.emulated else RATE_PRESETS)
     if args.quick:
         args.models, args.world_sizes, args.rates, args.rows, args.rounds = ["cnn"], [2], ["1gbit"], list(QUICK_ROWS), 3
     if args.rows is None:

@@ -204,3 +204,56 @@ def test_rows_planned_with_the_jobs_cost_are_predicted_with_the_median_of_its_fi
     [line] = [line for line in targets({Setting("cnn", 2, "1gbit"): results}) if "simulator" in line]
     first_fit_error = abs(at_first_fit - 0.5) / 0.5
     assert f"with the first fit of each job's cost alone (what the rows planned with): {first_fit_error:.1%} over 1 rows" in line
+
+
+def test_an_emulated_workload_takes_its_profiles_time_without_a_core_and_trains_every_tensor():
+    """--emulated: the zoo's ResNet-50 on an emulated V100 (tensors scaled), its loss and batch;
+    one step waits the profile's forward and backward times, mostly off the core, and writes a
+    gradient into every parameter."""
+    import time
+
+    import torch
+
+    from benchmarks.head_to_head import EMULATED_DEVICE, EMULATED_SIZE_SCALE, WORKLOADS, Variant
+
+    workload = WORKLOADS["emulated_resnet50"]
+    model = workload.build_model()
+    profile = zoo("resnet50", device=EMULATED_DEVICE)
+    parameters = list(model.parameters())
+    assert len(parameters) == sum(len(layer.tensors) for layer in profile.layers)
+    full = sum(spec.numel for layer in profile.layers for spec in layer.tensors)
+    assert sum(p.numel() for p in parameters) == pytest.approx(full * EMULATED_SIZE_SCALE, rel=0.05)
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = workload.make_inputs(workload.batch, generator), workload.make_targets(workload.batch, generator)
+    variant = Variant("emulated", model, torch.optim.SGD(parameters, lr=0.1), gradsync=False, loss=workload.loss)
+    variant.step(inputs, targets)  # first-call costs out of the timing
+    cpu, wall = time.process_time(), time.perf_counter()
+    variant.step(inputs, targets)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert wall >= 0.95 * sum(layer.forward_time + layer.backward_time for layer in profile.layers)
+    assert cpu < 0.5 * wall
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in parameters)
+
+
+def test_the_host_line_gives_the_ranks_cpu_use_and_the_steal():
+    from benchmarks.head_to_head import host_line
+
+    line = host_line([{"cpu_share": 0.2}, {"cpu_share": 0.4}], stolen=2.0, seconds=100.0)
+    cores = os.cpu_count()
+    assert "30% of a core each on average (at most 40%)" in line and f"0.60 of the machine's {cores} cores" in line
+    assert f"{2.0 / (100.0 * cores):.1%} of the cores' time" in line
+
+
+def test_the_emulated_targets_compare_mg_wfbp_with_wfbp_and_the_papers_pairs():
+    from benchmarks.head_to_head import emulated_targets
+
+    seconds = {"ddp": 1.2, "wfbp": 1.3, "mg_wfbp": 1.0, "asc_wfbp": 0.8, "bytescheduler": 1.1, "us_byte": 1.0}
+    results = {ROWS[key].label: RowResult(ROWS[key].label, value, (value,), None, None, None)
+               for key, value in seconds.items()}
+    plan_rows = [ROWS[key].label for key in seconds if key != "ddp"]
+    small, large = (emulated_targets(Setting(model, 8, "0.5"), results, plan_rows)
+                    for model in ("emulated_mobilenet_v2", "emulated_resnet50"))
+    assert "mg_wfbp 1.30× wfbp (target ≥ 1.15×): reached" in small[0]
+    assert "best non-compressing plan (gradsync asc_wfbp) 1.50× torch DDP (target ≥ 1.2×): reached" in small[0]
+    assert all("asc_wfbp 1.25× mg_wfbp; us_byte 1.10× bytescheduler" in lines[-1] for lines in (small, large))
+    assert len(large) == 1  # the small-tensor targets only where the issue sets them
