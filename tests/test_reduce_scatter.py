@@ -150,9 +150,38 @@ def attached_with_partition(rank, world_size):
     # the last layer's already while the first layer's were computed (before any op could launch)
     released = all(parameter.grad is None for parameter in model.parameters()) and runtime.executor.released == set(
         name for name, _ in model.named_parameters()) and held == [[None, None]]
-    return owned, released, {op.collective for op in runtime.plan.ops}, cost.reduce_scatter_a is not None
+    # other plans installed one after another (as auto's trials do): their op buffers are carved from one
+    # allocation, grown for the largest (wfbp's: more ops, more flags) and then reused
+    runtime.installed.install(profile, cost, planners.bind("wfbp"))
+    storage = runtime.installed.shared_buffers.storage.untyped_storage().data_ptr()
+    runtime.installed.install(profile, cost, planners.bind("mg_wfbp"))
+    runtime.installed.install(profile, cost, planners.bind("wfbp"))
+    optimizer.zero_grad()
+    model(inputs).square().sum().backward()
+    optimizer.synchronize()
+    shared = {state.buffer.untyped_storage().data_ptr() for state in runtime.executor.ops} == {storage}
+    again = list(runtime.executor.reduced_partition())
+    owned &= runtime.plan.planner == "wfbp" and sum(v.numel() for _, _, v in again) == sum(
+        v.numel() for _, _, v in received) and all(
+        torch.allclose(values, expected[name][start:start + values.numel()], atol=1e-6) for name, start, values in again)
+    return owned, released, {op.collective for op in runtime.plan.ops}, cost.reduce_scatter_a is not None, shared
 
 
 def test_the_runtime_probes_the_reduce_scatter_and_plans_reduce_scatters_for_a_partition():
-    for owned, released, collectives, fitted in run_local(attached_with_partition, 2):
-        assert owned and released and collectives == {"reduce_scatter"} and fitted
+    """... and the plans installed one after another share one allocation of op buffers."""
+    for owned, released, collectives, fitted, shared in run_local(attached_with_partition, 2):
+        assert owned and released and collectives == {"reduce_scatter"} and fitted and shared
+
+
+def test_shared_op_buffers_are_aligned_views_of_one_allocation_that_grows_when_needed():
+    from gradsync.runtime.op_buffers import ALIGN_BYTES, SharedOpBuffers
+
+    shared = SharedOpBuffers()
+    first = shared.carve([(3, torch.float32), (5, torch.bfloat16), (2, torch.float64)], torch.device("cpu"))
+    assert [(b.numel(), b.dtype) for b in first] == [(3, torch.float32), (5, torch.bfloat16), (2, torch.float64)]
+    base = shared.storage.data_ptr()
+    assert [b.data_ptr() - base for b in first] == [0, ALIGN_BYTES, 2 * ALIGN_BYTES]
+    smaller = shared.carve([(4, torch.float32)], torch.device("cpu"))
+    assert shared.storage.data_ptr() == base == smaller[0].data_ptr()  # reused
+    larger = shared.carve([(1000, torch.float32)], torch.device("cpu"))
+    assert shared.storage.numel() == 4000 and larger[0].data_ptr() == shared.storage.data_ptr() != base

@@ -28,6 +28,7 @@ from ..compress.gradients import checksum, decoded_may_overflow, every_element_f
 from ..errors import ConfigError
 from ..plan import BACKWARD, REDUCE_SCATTER, Plan, ops_by_channel
 from .channels import Channels
+from .op_buffers import SharedOpBuffers
 from .partition import Partition
 
 
@@ -65,10 +66,12 @@ class PlanExecutor:
     reduce-scatters delivers each rank the elements `partition` gives it, read with
     ``reduced_partition``: the sharded optimizer needs no others, so, as DeepSpeed's own ZeRO-2
     copies each gradient into its bucket and frees it, each gradient is copied into its ops'
-    buffers as soon as it is final and released (``.grad`` set to None)."""
+    buffers as soon as it is final and released (``.grad`` set to None); those buffers are carved
+    from `shared_buffers`, where given, which the executors of the model's other plans share."""
 
     def __init__(self, plan: Plan, parameters: dict, channels: Channels, codec: Codec | None = None,
-                 layout: str = "plain", nonfinite: str = "raise", trace=None, partition: Partition | None = None):
+                 layout: str = "plain", nonfinite: str = "raise", trace=None, partition: Partition | None = None,
+                 shared_buffers: SharedOpBuffers | None = None):
         if plan.channels > len(channels):
             raise ConfigError(f"plan uses {plan.channels} channels but only {len(channels)} were created "
                               "(raise 'channels')")
@@ -80,7 +83,8 @@ class PlanExecutor:
         self.nonfinite = nonfinite
         self.trace = trace
         self.partition = partition
-        self.ops = [self._op_state(op, index) for index, op in enumerate(plan.ops)]
+        self.ops = [self._op_state(op, index, buffer)
+                    for index, (op, buffer) in enumerate(zip(plan.ops, self._buffers(plan, shared_buffers)))]
         self.decode_seconds = 0.0  # time spent in the codec's finish, in all (inside the waits)
         self.encode_seconds = 0.0  # time spent in the codec's encode in the current step
         self.ops_of_tensor: dict[str, list[int]] = {}
@@ -98,37 +102,51 @@ class PlanExecutor:
         self.order = ops_by_channel(plan.ops)
         self.start_iteration(0)
 
-    def _op_state(self, op, index: int) -> _OpState:
+    def _buffers(self, plan: Plan, shared: SharedOpBuffers | None) -> list[torch.Tensor]:
+        """Each op's buffer: its slices' elements and its flags (a reduce-scatter's flags once per
+        rank's segment); carved from `shared` for a plan of reduce-scatters."""
+        specs = [self._buffer_spec(op) for op in plan.ops]
+        if shared is not None and plan.ops and all(op.collective == REDUCE_SCATTER for op in plan.ops):
+            devices = {device for _, _, device in specs}
+            if len(devices) == 1:
+                return shared.carve([(numel, dtype) for numel, dtype, _ in specs], devices.pop())
+        return [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in specs]
+
+    def _buffer_spec(self, op) -> tuple[int, torch.dtype, torch.device]:
+        """(elements, dtype, device) of `op`'s buffer, once the op is checked against the runtime."""
         tensors = op.tensors()
         if op.transport != self.channels.transport:
             raise ConfigError(f"an op asks for transport {op.transport!r} but the channels run "
                               f"{self.channels.transport!r} (set wrap's 'transport')")
         if op.codec not in ("identity", self.codec.name):
             raise ConfigError(f"an op asks for codec {op.codec!r} but the runtime runs {self.codec.name!r}")
+        if op.collective == REDUCE_SCATTER and (self.partition is None or self.codec.name != Codec.name):
+            raise ConfigError("a reduce_scatter op needs a partition of the gradients and no compressor (a "
+                              "compressor's wire is not the gradient's elements)")
         dtypes = {self.parameters[name].dtype for name in tensors}
         if len(dtypes) > 1:
             raise ConfigError(f"an op mixes gradient dtypes {sorted(map(str, dtypes))} ({tensors[:4]}): "
                               "they cannot share a fusion buffer")
-        device = self.parameters[tensors[0]].device
-        dtype = self.codec.wire_dtype(self.layout, dtypes.pop())
-        label, flag_count = f"op{index}", len(tensors) + 1
+        flag_copies = self.channels.world_size if op.collective == REDUCE_SCATTER else 1
+        numel = sum(s.length for s in op.slices) + flag_copies * (len(tensors) + 1)
+        return numel, self.codec.wire_dtype(self.layout, dtypes.pop()), self.parameters[tensors[0]].device
+
+    def _op_state(self, op, index: int, buffer: torch.Tensor) -> _OpState:
+        tensors = op.tensors()
+        label = f"op{index}"
         if op.collective == REDUCE_SCATTER:
-            return self._reduce_scatter_state(op, tensors, device, dtype, label)
+            return self._reduce_scatter_state(op, tensors, buffer, label)
         slices, position = [], 0
         for s in op.slices:
             slices.append((s.tensor, s.offset, s.length, position))
             position += s.length
-        buffer = torch.empty(position + flag_count, dtype=dtype, device=device)
         views = [buffer[position:position + length] for _, _, length, position in slices]
         return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label,
                         [buffer[position:]])
 
-    def _reduce_scatter_state(self, op, tensors: list[str], device, dtype, label: str) -> _OpState:
+    def _reduce_scatter_state(self, op, tensors: list[str], buffer: torch.Tensor, label: str) -> _OpState:
         """A reduce-scatter's buffer: each rank's segment (the parts of the op's slices it owns, in
         slice order) followed by the flags, so that every rank also receives the summed flags."""
-        if self.partition is None or self.codec.name != Codec.name:
-            raise ConfigError("a reduce_scatter op needs a partition of the gradients and no compressor (a "
-                              "compressor's wire is not the gradient's elements)")
         parts = [[] for _ in range(self.channels.world_size)]
         for s in op.slices:
             for rank, start, length in self.partition.split(s.tensor, s.offset, s.length):
@@ -142,7 +160,6 @@ class PlanExecutor:
                 position += length
             segments.append((begin, position + flag_count))
             position += flag_count
-        buffer = torch.empty(position, dtype=dtype, device=device)
         views = [buffer[at:at + length] for _, _, length, at in slices]
         flags = [buffer[end - flag_count:end] for _, end in segments]
         begin, end = segments[self.channels.rank]

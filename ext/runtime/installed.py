@@ -19,6 +19,8 @@ from ..profile import ModelProfile
 from .channels import Channels
 from .compute_speed import ComputeSpeed, slowest_over_ranks
 from .executor import PlanExecutor
+from .measure.probes import release_freed_host_memory
+from .op_buffers import SharedOpBuffers
 from .parameter_table import ParameterTable
 from .partition import Partition
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
@@ -48,6 +50,8 @@ class InstalledPlans:
         self.plan_trials = plan_trials
         self.partition = partition
         self.collective = REDUCE_SCATTER if partition is not None and codec.name == Codec.name else ALLREDUCE
+        # the plans of reduce-scatters, installed one after another, carve their op buffers from one allocation
+        self.shared_buffers = SharedOpBuffers() if self.collective == REDUCE_SCATTER else None
         self.layout_plans: dict[str, LayoutPlan] = {}
         self.plans: dict[str, Plan] = {}
         self.executors: dict[str, PlanExecutor] = {}
@@ -80,8 +84,10 @@ class InstalledPlans:
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
         self.predictions, self.speed = {}, ComputeSpeed()
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
-                                               self.nonfinite, self.trace, self.partition)
+                                               self.nonfinite, self.trace, self.partition, self.shared_buffers)
                           for layout, plan in plans.items()}
+        if self.table.device.type == "cpu":  # what the replaced plans' executors and their ops freed
+            release_freed_host_memory()
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to

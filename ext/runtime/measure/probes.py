@@ -5,6 +5,8 @@ communication from the two timed alone and together, and the computing thread's 
 (`host`) from computation run with and without small ops launched between its slices."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from dataclasses import replace
 
@@ -83,6 +85,16 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
                      **measure_slowdowns(channels, fitted, dtype, device, repeats))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))
+
+
+def release_freed_host_memory() -> None:
+    """Hand the host memory that the probes freed back to the OS (glibc's ``malloc_trim``; nothing
+    where the C library has none): the heap would keep their pages, and training's own allocations,
+    of other sizes, would come on top of them in the job's peak."""
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:
+        trim(0)
 
 
 class ProbeWork:
