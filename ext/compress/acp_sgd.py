@@ -5,8 +5,8 @@ alternating: on P steps Q = Orth(Q_prev), P = (M + E)·Q, E ← M + E − P·Q�
 P is all-reduced and the gradient is P̄·Qᵀ; on Q steps P = Orth(P_prev), Q = (M + E)ᵀ·P,
 E ← M + E − P·Qᵀ, then Q is all-reduced and the gradient is P·Q̄ᵀ. The averaged factor becomes the
 next step's query ("reuse"); the new error and query become current when the step settles
-(``Codec.settle``), so a step skipped for an inf anywhere leaves them as they were. Vectors, and matrices where (n + m)·r·min_compression_rate ≥ n·m,
-travel uncompressed in the same ops. One all-reduce per step, so WFBP and tensor fusion apply as
+(``Codec.settle``), so a step skipped for an inf anywhere leaves them as they were. Vectors, and
+matrices where (n + m)·r·min_compression_rate ≥ n·m, travel uncompressed in the same ops. One all-reduce per step, so WFBP and tensor fusion apply as
 for plain gradients (§IV-B): the runtime plans the P and Q layouts separately on their own sizes.
 """
 from __future__ import annotations

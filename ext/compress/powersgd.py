@@ -6,10 +6,9 @@ P = (M + E)·Orth(Q_prev) and, once every rank's P is averaged, P̂ = Orth(P̄);
 Q = (M + E)ᵀ·P̂, and once Q is averaged the gradient is P̂·Q̄ᵀ and E ← M + E − P̂·Q̄ᵀ: the error is
 taken against the aggregated approximation, as torch's PowerSGD hook does; it and the warm start
 become current when the step settles (``Codec.settle``), so a step skipped for an inf anywhere
-leaves them as they were. Q_prev is last step's Q̄
-(warm start) or a fresh Gaussian from the seed shared by every rank; like the torch hook, it is
-orthogonalised before use. Orth is QR for rank > 2 in fp32/fp64, Gram–Schmidt otherwise
-(gradsync.compress.orthogonalize).
+leaves them as they were. Q_prev is last step's Q̄ (warm start) or a fresh Gaussian from the seed
+shared by every rank; like the torch hook, it is orthogonalised before use. Orth is QR for rank > 2
+in fp32/fp64, Gram–Schmidt otherwise (gradsync.compress.orthogonalize).
 
 Vectors and small matrices travel uncompressed: whole, averaged, in round "P"; round "Q" must cover
 them too (every plan covers every tensor once), so there they are one element, 0 when their round P
@@ -71,14 +70,15 @@ class PowerSGD(Codec):
         self.q_prev = {name: torch.randn(m, r, generator=generator) for name, (n, m, r) in self.shapes.items()}
         self.errors: dict[str, torch.Tensor] = {}
         self._reset_step_state()
-        self.finished: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}  # (new E, Q̄), for `settle`
 
     def _reset_step_state(self) -> None:
-        """What lives only within one step: the round each tensor is in, its bases and staging."""
+        """What lives only within one step: the round each tensor is in, its bases, staging, and
+        the new error and warm start of its finished tensors."""
         self.round_of: dict[str, tuple[int, str]] = {}  # tensor -> (step, round) of its last wire
         self.p_applied: dict[str, int] = {}  # tensor -> last step whose round P was applied
         self.basis: dict[str, torch.Tensor] = {}  # P̂ of the current step
         self.staging: dict[str, torch.Tensor] = {}
+        self.finished: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = {}  # (new E, Q̄), for `settle`
 
     def rounds(self, step: int) -> tuple[str, ...]:
         """Uncompressed before `start_iter`, then P and Q in sequence (Algorithm 1, lines 3–7)."""
@@ -223,7 +223,6 @@ class PowerSGD(Codec):
         self.q_prev = {k: v.clone() for k, v in shared["q"].items()}
         self.errors = {k: v.clone() for k, v in (per_rank or {}).get("errors", {}).items()}
         self._reset_step_state()
-        self.finished = {}
 
     def settings(self) -> dict:
         return {**self._options(), "wire_dtype": self.wire_precision}

@@ -24,7 +24,7 @@ from .parameter_table import ParameterTable
 from .partition import Partition
 from .installed import InstalledPlans
 from .measure.calibration import ProfileCalibration
-from .measure.probes import measure_cost, release_freed_host_memory
+from .measure.probes import measure_cost
 from .optimizer import SyncedOptimizer
 from .report import LayoutReport, SyncReport
 from .statistics import IterationStats
@@ -158,8 +158,6 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
             cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=table.device,
                                                   collective=installed.collective)
-        if arguments.cost is None and table.device.type == "cpu":
-            release_freed_host_memory()
         if arguments.profile is not None:
             installed.install(arguments.profile, cost)
         else:

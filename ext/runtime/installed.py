@@ -86,7 +86,7 @@ class InstalledPlans:
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
                                                self.nonfinite, self.trace, self.partition, self.shared_buffers)
                           for layout, plan in plans.items()}
-        if self.table.device.type == "cpu":  # what the replaced plans' executors and their ops freed
+        if self.table.device.type == "cpu":  # what the wrap-time probes and the replaced plans freed
             release_freed_host_memory()
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
