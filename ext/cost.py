@@ -117,6 +117,13 @@ class CostModel:
         a, b, _ = _least_squares(sizes, times, clamp)
         return replace(self, reduce_scatter_a=a, reduce_scatter_b=b)
 
+    def rescaled_b(self, factor: float) -> "CostModel":
+        """This model with every collective's b multiplied by `factor` (a link whose rate changed;
+        its latency, contention and host terms kept)."""
+        fitted = {} if self.reduce_scatter_b is None else {"reduce_scatter_b": self.reduce_scatter_b * factor}
+        return replace(self, b=self.b * factor, name=self.name.removesuffix(" (re-fitted)") + " (re-fitted)",
+                       fit_report=None, **fitted)
+
     def penalty(self, overlapped_bytes: float) -> float:
         """Extra time of an all-reduce whose `overlapped_bytes` travel beside another (asc-wfbp eq. 11)."""
         return (self.gamma - 1.0) * self.b * overlapped_bytes

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.netbed import bed, launcher, rank
-from benchmarks.netbed.commands import parse_links, parse_namespaces, setup_commands, teardown_commands
+from benchmarks.netbed.commands import (parse_links, parse_namespaces, rate_commands, root_handle_command, setup_commands,
+                                       teardown_commands)
 from benchmarks.netbed.spec import NetSpec, from_matrix, from_topology, uniform
 from gradsync import ConfigError
 from gradsync.launch import RankFailed
@@ -78,6 +79,18 @@ def test_uniform_setup_shapes_both_directions_of_every_host():
         ["tc", "qdisc", "add", "dev", "gsnet-0-br", "root", *tbf]]
     assert ["ip", "-n", "gsnet-1", "addr", "add", "192.0.2.2/24", "dev", "gsnet-1-ns"] in commands
     assert len(commands) == 2 + 2 * 9
+
+
+def test_rate_commands_replace_every_hosts_shaping_from_any_namespace():
+    commands = rate_commands(2, 0.25)
+    tbf = ["tbf", "rate", "250000kbit", "burst", "131072", "latency", "20ms"]
+    assert commands == [["tc", "-n", "gsnet-0", "qdisc", "replace", "dev", "gsnet-0-ns", "root", *tbf],
+                        ["tc", "-n", "gsnet-root", "qdisc", "replace", "dev", "gsnet-0-br", "root", *tbf],
+                        ["tc", "-n", "gsnet-1", "qdisc", "replace", "dev", "gsnet-1-ns", "root", *tbf],
+                        ["tc", "-n", "gsnet-root", "qdisc", "replace", "dev", "gsnet-1-br", "root", *tbf]]
+    # the handle of the root namespace is the testbed's own: made by `up`, removed by the teardown
+    assert root_handle_command(42) == ["ip", "netns", "attach", "gsnet-root", "42"]
+    assert teardown_commands(["gsnet-root", "other"], []) == [["ip", "netns", "del", "gsnet-root"]]
 
 
 def test_fast_links_get_a_millisecond_of_burst():

@@ -8,9 +8,9 @@ Needs root; `check_available` says what is missing before anything is created. C
 ``python -m benchmarks.netbed up|down|status``.
 """
 from .bed import NetbedBusy, NetbedError, NetbedUnavailable, check_available, netbed, status, teardown, up
-from .commands import setup_commands
+from .commands import rate_commands, setup_commands
 from .launcher import launch
 from .spec import RATE_PRESETS, NetSpec, from_matrix, from_topology, uniform
 
 __all__ = ["NetSpec", "NetbedBusy", "NetbedError", "NetbedUnavailable", "RATE_PRESETS", "check_available", "from_matrix",
-           "from_topology", "launch", "netbed", "setup_commands", "status", "teardown", "uniform", "up"]
+           "from_topology", "launch", "netbed", "rate_commands", "setup_commands", "status", "teardown", "uniform", "up"]

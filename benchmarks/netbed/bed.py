@@ -16,7 +16,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-from .commands import Command, parse_links, parse_namespaces, setup_commands, teardown_commands
+from .commands import Command, parse_links, parse_namespaces, root_handle_command, setup_commands, teardown_commands
 from .spec import NetSpec, is_own_link, is_own_namespace
 
 TOOLS = ("ip", "tc", "sysctl")
@@ -86,7 +86,7 @@ def up(spec: NetSpec, run=subprocess.run) -> None:
     """Build `spec` after removing stale state; on a failure remove what was built and re-raise."""
     teardown(run)
     try:
-        run_commands(setup_commands(spec), run)
+        run_commands([*setup_commands(spec), root_handle_command(os.getpid())], run)
     except BaseException:
         teardown(run)
         raise

@@ -8,8 +8,8 @@ destination address; unmatched traffic (ARP) takes a default class at the host's
 """
 from __future__ import annotations
 
-from .spec import (BRIDGE, QUEUE_LATENCY_MS, NetSpec, address, bridge_port, burst_bytes, inner_interface, is_own_link,
-                   is_own_namespace, kbit, namespace)
+from .spec import (BRIDGE, QUEUE_LATENCY_MS, ROOT_HANDLE, NetSpec, address, bridge_port, burst_bytes, inner_interface,
+                   is_own_link, is_own_namespace, kbit, namespace)
 
 Command = list[str]
 DEFAULT_CLASS = 1
@@ -44,9 +44,27 @@ def host_commands(host: int) -> list[Command]:
 def shaping_commands(spec: NetSpec, host: int) -> list[Command]:
     if spec.heterogeneous:
         return pair_shaping(spec.pair_gbps[host], host)
-    ns = namespace(host)
-    return [["tc", "-n", ns, "qdisc", "add", "dev", inner_interface(host), "root", *tbf(spec.gbps)],
-            ["tc", "qdisc", "add", "dev", bridge_port(host), "root", *tbf(spec.gbps)]]
+    return uniform_shaping(host, spec.gbps, "add")
+
+
+def uniform_shaping(host: int, gbps: float, verb: str, root: Command = ("tc",)) -> list[Command]:
+    """`tbf` at `gbps` on the host's sending (inner end) and receiving (bridge port, reached by
+    `root`), by tc's `verb`."""
+    return [["tc", "-n", namespace(host), "qdisc", verb, "dev", inner_interface(host), "root", *tbf(gbps)],
+            [*root, "qdisc", verb, "dev", bridge_port(host), "root", *tbf(gbps)]]
+
+
+def root_handle_command(pid: int) -> Command:
+    """Name the network namespace of process `pid` (the root one) `ROOT_HANDLE`, so that commands
+    run inside a host's namespace can reach the bridge ports (``rate_commands``)."""
+    return ["ip", "netns", "attach", ROOT_HANDLE, str(pid)]
+
+
+def rate_commands(hosts: int, gbps: float) -> list[Command]:
+    """The commands that set every link of a running uniform cluster of `hosts` to `gbps`, from
+    any namespace (a rank's included): a network whose rate changes under a job."""
+    return [command for host in range(hosts)
+            for command in uniform_shaping(host, gbps, "replace", root=["tc", "-n", ROOT_HANDLE])]
 
 
 def tbf(gbps: float) -> Command:

@@ -17,6 +17,7 @@ from gradsync.topology import Topology
 
 PREFIX = "gsnet-"
 BRIDGE = "gsnet-br"
+ROOT_HANDLE = "gsnet-root"  # a name for the root namespace, so that a rank can reach the bridge ports from its own
 SUBNET = "192.0.2"
 MIN_HOSTS, MAX_HOSTS = 2, 8
 RATE_PRESETS = {"1gbit": 1.0, "10gbit": 10.0}
@@ -44,7 +45,7 @@ def address(host: int) -> str:
 
 
 def is_own_namespace(name: str) -> bool:
-    return re.fullmatch(rf"{PREFIX}\d+", name) is not None
+    return name == ROOT_HANDLE or re.fullmatch(rf"{PREFIX}\d+", name) is not None
 
 
 def is_own_link(name: str) -> bool:

@@ -8,7 +8,7 @@ Example section::
     "gradsync": {"scheduler": "us_byte", "compressor": {"type": "acp_sgd", "rank": 4}, "channels": 2}
 
 Keys: scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite, broadcast_buffers,
-warmup_iterations, measure_iterations, plan_trials (as in ``gradsync.wrap``), options (planner
+warmup_iterations, measure_iterations, plan_trials, replan (as in ``gradsync.wrap``), options (planner
 options), transport ("allreduce" or "forest") and topology (the forest's: a preset name or a
 topology file).
 """

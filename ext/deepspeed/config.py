@@ -22,7 +22,8 @@ from ..runtime.parameter_table import ParameterTable
 
 SECTION = "gradsync"
 KEYS = ("scheduler", "compressor", "channels", "profile", "cost", "trace", "timeout", "nonfinite", "options",
-        "transport", "topology", "broadcast_buffers", "warmup_iterations", "measure_iterations", "plan_trials")
+        "transport", "topology", "broadcast_buffers", "warmup_iterations", "measure_iterations", "plan_trials",
+        "replan")
 # DeepSpeed optimizers that compress their own communication (the momentum, not the gradient)
 COMPRESSED_OPTIMIZERS = ("onebitadam", "onebitlamb", "zerooneadam")
 

@@ -57,6 +57,7 @@ def wrap(
     warmup_iterations: int = 1,
     measure_iterations: int = 3,
     plan_trials: int = 3,
+    replan: bool = True,
     transport: str = "allreduce",
     topology=None,
     **options,
@@ -94,6 +95,10 @@ def wrap(
             time on the job (torch DDP's buckets, auto's choice, the next best predicted): DDP's are
             kept unless another is faster with auto's `confidence` (``runtime.measure.trials``);
             below 2, auto's choice is kept untimed.
+        replan: once the plans are installed, compare their ops' measured times with the cost model
+            and, when the network changes (ops 1.5x slower or faster than at first, for 16
+            iterations), re-fit the cost from those times and make the plans again, every rank at
+            the same iteration (``runtime.measure.cost_watch``; ``report(model).replans``).
         transport: ``"allreduce"`` (the backend's) or ``"forest"`` (reduce/broadcast trees packed on
             `topology`).
         topology: for the forest transport, a Topology, a preset name or a file (default: the complete
@@ -103,7 +108,7 @@ def wrap(
     nonfinite = check_grad_scaler(grad_scaler, nonfinite)
     arguments = check_wrap_arguments(scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite,
                                      broadcast_buffers, warmup_iterations, measure_iterations, plan_trials,
-                                     transport, topology, **options)
+                                     replan, transport, topology, **options)
     model, synced = attach(model, optimizer, arguments, process_group)
     if grad_scaler is not None:
         synced.sync.wait_at_backward_end = True
@@ -151,7 +156,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     codec.may_skip_steps = arguments.nonfinite != "raise"
     codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
     installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
-                               arguments.plan_trials, partition)
+                               arguments.plan_trials, partition, arguments.replan)
     sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer)
     with sync.detached_on_error():
         sync.check_optimizer(optimizer)

@@ -40,6 +40,7 @@ class WrapArguments:
     warmup_iterations: int
     measure_iterations: int
     plan_trials: int
+    replan: bool = True
     transport: str = "allreduce"
     topology: Topology | None = None  # forest only; None: the complete graph of the ranks
 
@@ -53,20 +54,20 @@ class WrapArguments:
                 "topology": self.topology, "cost": self.cost, "profile measured": self.profile is None,
                 "nonfinite": self.nonfinite, "broadcast_buffers": self.broadcast_buffers,
                 "warmup_iterations": self.warmup_iterations, "measure_iterations": self.measure_iterations,
-                "plan_trials": self.plan_trials}
+                "plan_trials": self.plan_trials, "replan": self.replan}
 
 
 def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int | None = None,
                          profile="measure", cost="measure", trace=None, timeout: float = 600.0,
                          nonfinite: str = "raise", broadcast_buffers: bool = True, warmup_iterations: int = 1,
-                         measure_iterations: int = 3, plan_trials: int = 3, transport: str = "allreduce",
-                         topology=None, **options) -> WrapArguments:
+                         measure_iterations: int = 3, plan_trials: int = 3, replan: bool = True,
+                         transport: str = "allreduce", topology=None, **options) -> WrapArguments:
     """``wrap``'s arguments checked, with the scheduler bound once (``planners.bind``): ConfigError
     naming the argument otherwise. No collective.
 
     Args:
         scheduler, compressor, channels, profile, cost, trace, timeout, nonfinite, broadcast_buffers,
-            warmup_iterations, measure_iterations, plan_trials, transport, topology, options: as
+            warmup_iterations, measure_iterations, plan_trials, replan, transport, topology, options: as
             ``gradsync.wrap``.
     """
     codec = compress.build(compressor)
@@ -76,8 +77,9 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT <= timeout < MAX_TIMEOUT:
         raise ConfigError(f"'timeout' must be a finite number of seconds >= {MIN_TIMEOUT} and < {MAX_TIMEOUT:.0f}, "
                           f"got {timeout!r}")
-    if not isinstance(broadcast_buffers, bool):
-        raise ConfigError(f"'broadcast_buffers' must be true or false, got {broadcast_buffers!r}")
+    for name, value in (("broadcast_buffers", broadcast_buffers), ("replan", replan)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name!r} must be true or false, got {value!r}")
     check_nonfinite_mode(nonfinite)
     network = _topology(transport, topology, codec)
     for name, value, least in (("warmup_iterations", warmup_iterations, 0), ("measure_iterations", measure_iterations, 1),
@@ -100,7 +102,7 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
         cost=_load(cost, "cost", lambda path: CostModel.from_dict(_read_json(path)), CostModel),
         trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=broadcast_buffers,
         warmup_iterations=warmup_iterations, measure_iterations=measure_iterations, plan_trials=plan_trials,
-        transport=transport, topology=network,
+        replan=replan, transport=transport, topology=network,
     )
 
 

@@ -67,3 +67,16 @@ def slowest_over_ranks(value: float, process_group, device: torch.device) -> flo
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=process_group)
     return float(tensor.item())
+
+
+def least_over_ranks(values: list[float], process_group, device: torch.device) -> list[float]:
+    """The smallest over the ranks of each of `values`: a collective.
+
+    Args:
+        values: this rank's numbers.
+        process_group: the ranks.
+        device: where the backend takes its tensors (CUDA for NCCL).
+    """
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=process_group)
+    return tensor.tolist()

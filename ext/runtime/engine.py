@@ -125,7 +125,7 @@ class GradSync:
         return SyncReport(
             scheduler=installed.planner.described(), compressor=self.codec.name,
             layouts=installed.layout_reports(), steady_layouts=installed.steady_layouts,
-            measuring=installed.measurement is not None, trials=installed.trials,
+            measuring=installed.measurement is not None, trials=installed.trials, replans=tuple(installed.replans),
             iteration=self.clock.iteration, history=tuple(self.clock.history), gradient_bytes=self.gradient_bytes)
 
     def check_optimizer(self, optimizer) -> None:
@@ -260,7 +260,8 @@ class GradSync:
         executors = self.installed.executors
         stats = self.clock.finish(now, sum(executors[layout].wire_bytes() for layout in self.rounds_now),
                                   prediction.time, self.installed.speed.scale,
-                                  sum(executors[layout].encode_seconds for layout in set(self.rounds_now)))
+                                  sum(executors[layout].encode_seconds for layout in set(self.rounds_now)),
+                                  len(self.installed.replans))
         if self.trace is not None:
             self.trace.iteration(stats)
         next_step = self.steps_counted + (self.step_unsettled and not self.executor.nonfinite_seen)  # if known

@@ -16,6 +16,7 @@ planner made the plan: phase, channel and order are all it needs.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -100,7 +101,58 @@ class PlanExecutor:
         self.decoded_checked = {name for state in self.ops for name in state.tensors
                                 if decoded_may_overflow(state.buffer.dtype, self.parameters[name].dtype)}
         self.order = ops_by_channel(plan.ops)
+        self.times_ops = False  # time the communication for the cost watch (`time_ops`)
+        self.busy_times: list[float] = []  # per finished iteration, its communication's busy time, until taken
+        self.done_at: list[float] = []  # when each op of the iteration under way completed (0: not yet)
         self.start_iteration(0)
+
+    def time_ops(self) -> None:
+        """From now on, time each iteration's communication (``take_busy_times``)."""
+        self.times_ops = True
+
+    def take_busy_times(self) -> list[float]:
+        """The busy time of the communication of each iteration finished since the last call
+        (recorded once the next iteration starts, when every op of the previous one is in)."""
+        taken, self.busy_times = self.busy_times, []
+        return taken
+
+    def _record_busy_time(self) -> None:
+        """The finished iteration's busy time into `busy_times` (``measure.cost_watch``, step 1):
+        the time during which some op was in flight (the union of the ops' spans from launch to
+        completion; ops that share the link, or queue behind one another, count once). On CUDA,
+        the sum of the backend's own durations of the ops (NCCL's, with
+        TORCH_NCCL_ENABLE_TIMING=1, else none are recorded)."""
+        if any(state.work is None for state in self.ops):  # the iteration never reached some op
+            return
+        if self.ops and self.channels.transport == "allreduce" and self.ops[0].buffer.is_cuda:
+            try:
+                self.busy_times.append(sum(state.work._get_duration() for state in self.ops) / 1e3)
+            except RuntimeError:  # NCCL's timing is off: no samples from this rank
+                self.times_ops = False
+            return
+        spans = sorted((state.launched_at, done) for state, done in zip(self.ops, self.done_at))
+        if not spans or not all(done for _, done in spans):
+            return
+        busy, covered = 0.0, -math.inf
+        for start, end in spans:
+            busy += max(0.0, end - max(start, covered))
+            covered = max(covered, end)
+        self.busy_times.append(busy)
+
+    def _note_completion(self, index: int, work) -> None:
+        """Record when op `index`'s collective completes (on the backend's thread, into this
+        iteration's list: a late callback cannot write into the next one's; the callback holds
+        nothing else, so it never keeps a process group alive). A work without a future (gloo's
+        reduce-scatter) is recorded when it is found complete (``collected``)."""
+        done_at = self.done_at
+
+        def note(_future) -> None:
+            done_at[index] = time.perf_counter()
+        try:
+            future = work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented"
+            return
+        future.add_done_callback(note)
 
     def _buffers(self, plan: Plan, shared: SharedOpBuffers | None) -> list[torch.Tensor]:
         """Each op's buffer: its slices' elements and its flags (a reduce-scatter's flags once per
@@ -179,6 +231,9 @@ class PlanExecutor:
             ends_step: this is the step's last round: once its ops are all in and decoded, the
                 codec settles the step (``Codec.settle``).
         """
+        if self.times_ops:
+            self._record_busy_time()
+        self.done_at = [0.0] * len(self.ops)
         self.step = step
         self.ends_step = ends_step
         self.ops_open = len(self.ops)
@@ -219,7 +274,7 @@ class PlanExecutor:
                 state = self.ops[indices[self.cursor[channel]]]
                 if state.waiting_for or (state.phase != BACKWARD and not self.backward_over):
                     break
-                self._launch(state)
+                self._launch(indices[self.cursor[channel]])
                 self.cursor[channel] += 1
 
     def _used(self, name: str) -> bool:
@@ -250,7 +305,8 @@ class PlanExecutor:
             self.encode_seconds += time.perf_counter() - started
         return self.wires[name]
 
-    def _launch(self, state: _OpState) -> None:
+    def _launch(self, index: int) -> None:
+        state = self.ops[index]
         with record_function(f"gradsync::encode {state.label}"):
             self._pack(state)
         state.launched_at = time.perf_counter()
@@ -264,6 +320,8 @@ class PlanExecutor:
                                                           [state.buffer[start:end] for start, end in state.segments])
             else:
                 state.work = self.channels.all_reduce(state.channel, state.buffer)
+        if self.times_ops and not state.buffer.is_cuda:
+            self._note_completion(index, state.work)
 
     def _pack(self, state: _OpState) -> None:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
@@ -314,6 +372,8 @@ class PlanExecutor:
         state = self.ops[index]
         state.done = True
         self.ops_open -= 1
+        if self.times_ops and not self.done_at[index]:  # its future's callback has not run, or there is none
+            self.done_at[index] = time.perf_counter()
         if self.trace is not None:
             self.trace.op(index, state.channel, state.launched_at, time.perf_counter(),
                           state.buffer.numel() * state.buffer.element_size())

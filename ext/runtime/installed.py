@@ -2,11 +2,13 @@
 their predictions, and the measurement that replaces them while it runs (``runtime.measure``).
 
 After the measurement the predictions follow the computation's measured speed
-(``runtime.compute_speed``). Every rank installs the same plans at the same iteration: each
+(``runtime.compute_speed``), and, with `replan`, the plans are made again on a re-fitted cost when
+the ops' measured times depart from it (``runtime.measure.cost_watch``). Every rank installs the same plans at the same iteration: each
 installation checks the plans' hashes on every rank.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from ..agreement import check_same_on_all_ranks, waiting_for
@@ -17,15 +19,18 @@ from ..planners import BoundPlanner
 from ..planning import LayoutPlan, StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
 from ..profile import ModelProfile
 from .channels import Channels
-from .compute_speed import ComputeSpeed, slowest_over_ranks
+from .compute_speed import ComputeSpeed, least_over_ranks, slowest_over_ranks
 from .executor import PlanExecutor
 from .measure.probes import release_freed_host_memory
 from .op_buffers import SharedOpBuffers
 from .parameter_table import ParameterTable
 from .partition import Partition
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
+from .measure.cost_watch import CostWatch, Replan
 from .measure.trials import ChoiceWatch, PlanTrials, TrialResult
 from .report import LayoutReport
+
+log = logging.getLogger("gradsync")
 
 
 class InstalledPlans:
@@ -37,10 +42,12 @@ class InstalledPlans:
         plan_trials: how many of a choosing planner's plans to time once the profile is measured.
         nonfinite, trace, partition: for the executors (``PlanExecutor``); with a `partition` and no
             compressor the plans' ops are reduce-scatters (each rank needs its partition alone).
+        replan: watch the ops' times and plan again when the network changes (``measure.cost_watch``).
     """
 
     def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
-                 nonfinite: str, trace=None, plan_trials: int = 0, partition: Partition | None = None):
+                 nonfinite: str, trace=None, plan_trials: int = 0, partition: Partition | None = None,
+                 replan: bool = False):
         self.table = table
         self.channels = channels
         self.planner = planner
@@ -63,6 +70,9 @@ class InstalledPlans:
         self.rank_profiles: tuple[ModelProfile, ...] = ()  # each rank's measured profile (`profile` combines them)
         self.trials: TrialResult | None = None  # what auto's latest trials timed and kept (PlanTrials)
         self.watch: ChoiceWatch | None = None  # checks auto's choice after its trials
+        self.replan = replan
+        self.cost_watch: CostWatch | None = None  # compares the installed plans' ops with the cost
+        self.replans: list[Replan] = []  # the re-plannings online so far
 
     def install(self, profile: ModelProfile, cost: CostModel, planner: BoundPlanner | None = None) -> None:
         """Plan every wire layout of the codec, check the plans' hashes on every rank, and execute
@@ -88,6 +98,11 @@ class InstalledPlans:
                           for layout, plan in plans.items()}
         if self.table.device.type == "cpu":  # what the wrap-time probes and the replaced plans freed
             release_freed_host_memory()
+        if self.replan:
+            for executor in self.executors.values():
+                executor.time_ops()
+            layouts = [(layout, executor.wire_bytes()) for layout, executor in self.executors.items()]
+            self.cost_watch = CostWatch(cost, self.collective, layouts, self._least_over_ranks)
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
@@ -108,11 +123,18 @@ class InstalledPlans:
     def iteration_done(self, done: IterationDone, predicted_busy: float) -> None:
         """After a synchronised iteration: the measurement in progress goes on; else the predictions
         follow the computation's speed and auto's choice is checked."""
+        busy = [(layout, seconds) for layout, executor in self.executors.items()
+                for seconds in executor.take_busy_times()]
         if self.measurement is not None:
             self._carry_out(self.measurement.iteration_done(done))
             return
         if self.speed.observe(done.stats.busy_time, predicted_busy):
             self._follow_compute_speed()
+        if self.cost_watch is not None:
+            refitted = self.cost_watch.observe(busy, done.stats.iteration_time)
+            if refitted is not None:
+                self._plan_again(refitted, done.stats.iteration)
+                return
         if self.watch is not None:
             again = self.watch.observe(done)
             if again is not None:
@@ -125,13 +147,34 @@ class InstalledPlans:
             self.install(request.profile, self.cost, request.planner)
         elif isinstance(request, ProfileMeasured):
             self.rank_profiles = request.rank_profiles
-            self.measurement = PlanTrials.start(request.profile, self.cost, self.codec, self.planner,
-                                                self.plan_trials, self.channels, self.table.device, self.collective)
-            self._carry_out(self.measurement.first if self.measurement is not None else Install(request.profile))
+            self._choose_plans(request.profile)
         elif isinstance(request, TrialsDone):
             if request.planner is not None:
                 self.install(self.profile, self.cost, request.planner)
             self.trials, self.watch, self.measurement = request.result, request.watch, None
+
+    def _choose_plans(self, profile: ModelProfile) -> None:
+        """Install the wrapped planner's plans on `profile` and the cost in force, after timing them
+        against each other where it chooses among others (``measure.trials``)."""
+        self.measurement = PlanTrials.start(profile, self.cost, self.codec, self.planner, self.plan_trials,
+                                            self.channels, self.table.device, self.collective)
+        self._carry_out(self.measurement.first if self.measurement is not None else Install(profile))
+
+    def _plan_again(self, cost: CostModel, iteration: int) -> None:
+        """The network changed: plan again on the re-fitted `cost` from the next iteration (every
+        rank decided it at the same `iteration`, on values combined over the ranks)."""
+        replan = Replan(iteration, self.cost_watch.drift, self.cost, cost)
+        self.replans.append(replan)
+        if self.channels.rank == 0:
+            log.info("gradsync: %s", replan.summary())
+        if self.trace is not None:
+            self.trace.mark(f"re-planned: ops {replan.drift:.2f}x their reference time")
+        self.cost, self.watch = cost, None
+        self._choose_plans(self.profile)
+
+    def _least_over_ranks(self, values: list[float]) -> list[float]:
+        with waiting_for("the cost watch's comparison of the communication's time (every 8 iterations)", self.channels.timeout):
+            return least_over_ranks(values, self.channels.process_group, self.table.device)
 
     def _follow_compute_speed(self) -> None:
         """Rescale the predictions to the slowest rank's measured speed (a collective; every rank

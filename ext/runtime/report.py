@@ -14,6 +14,7 @@ from ..profile import ModelProfile
 from ..simulate import Timeline, simulate
 
 if TYPE_CHECKING:
+    from .measure.cost_watch import Replan
     from .measure.trials import TrialResult
     from .statistics import IterationStats
 
@@ -51,6 +52,8 @@ class SyncReport:
         measuring: whether the profile, the cost or a choosing planner's trials are still measured.
         trials: what a choosing planner's (auto's) latest trials timed and kept, with why
             (``TrialResult.summary()``), or None.
+        replans: each time the plans were made again online, on a cost re-fitted when the network
+            changed (``Replan.summary()``), oldest first.
         iteration: iterations run so far.
         history: the recent iterations' statistics, oldest first.
         gradient_bytes: the uncompressed bytes of the gradients it synchronises.
@@ -62,6 +65,7 @@ class SyncReport:
     steady_layouts: tuple[str, ...]
     measuring: bool
     trials: "TrialResult | None"
+    replans: tuple["Replan", ...]
     iteration: int
     history: tuple["IterationStats", ...]
     gradient_bytes: int

@@ -26,14 +26,16 @@ class IterationStats:
     busy_time: float = 0.0  # from the iteration's first forward to the end of its step, less comm_wait
     compute_scale: float = 1.0  # the factor on the profile's times the prediction was made with
     codec_time: float = 0.0  # the codec's encoding in this step and decoding in this iteration's waits
+    replans: int = 0  # times the plans were made again online so far (``runtime.measure.cost_watch``)
 
     def metrics(self, gradient_bytes: int) -> dict[str, float]:
         """What the front-ends log per iteration: measured and predicted time, non-overlapped
         communication (comm_wait), the codec's encoding and decoding (codec_time), bytes sent by
-        this rank and the compression ratio (bytes sent / `gradient_bytes`, the uncompressed ones)."""
+        this rank, the compression ratio (bytes sent / `gradient_bytes`, the uncompressed ones) and
+        the re-plannings online so far (replans)."""
         return {"iteration_time": self.iteration_time, "predicted_time": self.predicted_time,
                 "comm_wait": self.comm_wait, "codec_time": self.codec_time, "bytes_sent": float(self.bytes_sent),
-                "compression_ratio": self.bytes_sent / gradient_bytes}
+                "compression_ratio": self.bytes_sent / gradient_bytes, "replans": float(self.replans)}
 
 
 class IterationClock:
@@ -76,7 +78,7 @@ class IterationClock:
         return max(0.0, now - (self.forward_started or self.iteration_started) - self.comm_wait)
 
     def finish(self, now: float, bytes_sent: int, predicted_time: float, compute_scale: float,
-               encode_time: float) -> IterationStats:
+               encode_time: float, replans: int = 0) -> IterationStats:
         """Close the iteration at `now`, record its statistics and start the next one.
 
         Args:
@@ -85,10 +87,11 @@ class IterationClock:
             predicted_time: the simulator's iteration time for the step.
             compute_scale: the factor on the profile's times the prediction was made with.
             encode_time: the codec's encoding in this step (its decoding is timed by `wait`).
+            replans: the re-plannings online so far.
         """
         stats = IterationStats(self.iteration, now - self.iteration_started, self.comm_wait, bytes_sent,
                                predicted_time, self.update_time, self.busy_time(now), compute_scale,
-                               encode_time + self.decode_time)
+                               encode_time + self.decode_time, replans)
         self.history.append(stats)
         self.iteration += 1
         self.iteration_started, self.forward_started = now, None

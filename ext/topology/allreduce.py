@@ -207,6 +207,10 @@ class ForestWork:
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def get_future(self):
+        """The all-reduce's future (``concurrent.futures.Future``: ``add_done_callback`` as a torch one)."""
+        return self._future
+
 
 class ForestAllReduce:
     """Sum all-reduce over the trees of a forest packing of `topology` among `active_ranks`.

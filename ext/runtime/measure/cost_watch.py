@@ -1,0 +1,141 @@
+"""Re-planning online: the installed plans' communication timed as training goes on, and the cost
+model re-fitted from those times when the network changes.
+
+1. Each iteration's communication is timed by its busy time: the time during which some op of its
+   plan was in flight, from launch to completion (``PlanExecutor.take_busy_times``). Ops that share
+   the link or queue behind one another count once, so a link's rate shows in it whatever the
+   plan's concurrency. It includes any wait for the last rank to launch an op; on that rank it is
+   the transfers alone, so a window's time is the minimum over the ranks of its median over
+   `WINDOW` iterations (one all-reduce per window, made by every rank at the same iteration,
+   samples or none), per wire layout (a codec's layouts send different bytes).
+2. A plan sends the same bytes every iteration, so it is compared with itself: after each
+   installation, the first `REFERENCE_WINDOWS` windows together (after one iteration to settle)
+   give each layout its reference time. Beside the computation the ops take longer than the
+   probes' isolated a + b·m; comparing a plan with itself leaves that out. In every later window,
+   the drift is the summed layouts' times over their summed references.
+3. The network changed when the drift is past `DRIFT` either way (slower or faster by that factor)
+   and the change is at least `SIGNIFICANT` of the iteration time, in `PERSIST` windows running,
+   the same way. A link whose rate changes adds (or takes) wire time in proportion to the bytes,
+   so the per-byte term moves by the summed change over the summed bytes (``per_byte_change``);
+   the latency a stays as probed (the ops' sharing of the link hides its change). Every
+   collective's b moves in that proportion (``CostModel.rescaled_b``).
+4. The runtime plans again on the re-fitted cost (a choosing planner times its plans again), every
+   rank at the same iteration, the plans' hashes checked as at wrap time (``runtime.installed``).
+   Every rank decides on the same numbers, so every rank decides alike.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence
+
+from ...cost import CostModel
+
+WINDOW = 8  # iterations per comparison: one small all-reduce each
+REFERENCE_WINDOWS = 2  # the reference is timed over this many windows' iterations (one all-reduce)
+DRIFT = 1.5  # the communication this many times slower (or faster) than its reference...
+SIGNIFICANT = 0.10  # ...by at least this fraction of the iteration time...
+PERSIST = 2  # ...in this many windows running: the cost is re-fitted
+FLOOR = 0.01  # a re-fitted b keeps at least this fraction of what it was
+
+
+@dataclass(frozen=True)
+class Replan:
+    """One re-planning online, for the report and the log.
+
+    Args:
+        iteration: the iteration after which every rank switched to the new plans.
+        drift: the communication's time over its reference (4.0: four times slower).
+        before, after: the cost model the plans were made on, and the re-fitted one.
+    """
+
+    iteration: int
+    drift: float
+    before: CostModel
+    after: CostModel
+
+    def summary(self) -> str:
+        """One line: when, why, and the per-byte term before and after."""
+        return (f"iteration {self.iteration}: the communication took {self.drift:.2f}x its reference time; b "
+                f"re-fitted from {self.before.b * 1e9:.3g} to {self.after.b * 1e9:.3g} ns/byte and plans made again")
+
+
+def per_byte_change(sizes: Sequence[float], changes: Sequence[float]) -> float:
+    """Δb: the summed change of time over the summed bytes (step 3 of the module docstring).
+
+    Args:
+        sizes: each layout's bytes per iteration.
+        changes: each layout's time in the window less its reference, in seconds.
+    """
+    total = sum(sizes)
+    return sum(changes) / total if total > 0 else 0.0
+
+
+class CostWatch:
+    """Times the installed plans' communication against its own reference (module docstring) and
+    says when, and to what, the cost is re-fitted.
+
+    Args:
+        cost: the cost model the installed plans were made on.
+        collective: their ops' collective (whose b of `cost` the change is added to).
+        layouts: each wire layout of the installed plans with the bytes its ops send, in the same
+            order on every rank.
+        combine: the minimum over the ranks of each of a list of numbers (a collective; the
+            identity on one rank).
+    """
+
+    def __init__(self, cost: CostModel, collective: str, layouts: list[tuple[Hashable, int]],
+                 combine: Callable[[list[float]], list[float]]):
+        self.cost = cost
+        self.b = cost.terms(collective)[1]
+        self.layouts = layouts
+        self.combine = combine
+        self.settling = True  # the first iteration after an installation
+        self.times: dict[Hashable, list[float]] = {}  # each layout's busy times in the window under way
+        self.iteration_times: list[float] = []
+        self.reference: list[float] | None = None  # each layout's reference time (inf: never timed)
+        self.drifting = 0  # windows running past the thresholds: > 0 slower, < 0 faster
+        self.drift = 1.0  # the last window's
+
+    def observe(self, busy: list[tuple[Hashable, float]], iteration_time: float) -> CostModel | None:
+        """After a steady iteration: the re-fitted cost when the plans should be made again (on
+        every rank alike), else None.
+
+        Args:
+            busy: the (layout, busy seconds) of the iterations timed since the last call.
+            iteration_time: the iteration's time, seconds.
+        """
+        if self.settling:
+            self.settling = False
+            return None
+        for layout, seconds in busy:
+            self.times.setdefault(layout, []).append(seconds)
+        self.iteration_times.append(iteration_time)
+        if len(self.iteration_times) < WINDOW * (REFERENCE_WINDOWS if self.reference is None else 1):
+            return None
+        local = [statistics.median(self.times[layout]) if layout in self.times else math.inf
+                 for layout, _ in self.layouts]
+        *medians, iteration = self.combine(local + [statistics.median(self.iteration_times)])
+        self.times, self.iteration_times = {}, []
+        if self.reference is None:
+            self.reference = medians
+            return None
+        return self._judge(medians, iteration)
+
+    def _judge(self, medians: list[float], iteration: float) -> CostModel | None:
+        """Steps 2 and 3 of the module docstring on a window's times."""
+        timed = [(size, before, now) for (_, size), before, now in zip(self.layouts, self.reference, medians)
+                 if math.isfinite(before) and math.isfinite(now)]
+        before, now = sum(before for _, before, _ in timed), sum(now for _, _, now in timed)
+        if before <= 0 or iteration <= 0:
+            return None
+        self.drift = now / before
+        significant = abs(now - before) >= SIGNIFICANT * iteration
+        direction = (1 if self.drift >= DRIFT else -1 if self.drift <= 1 / DRIFT else 0) if significant else 0
+        same_way = direction != 0 and self.drifting * direction >= 0
+        self.drifting = self.drifting + direction if same_way else direction
+        if abs(self.drifting) < PERSIST:
+            return None
+        change = per_byte_change([size for size, _, _ in timed], [now - before for _, before, now in timed])
+        return self.cost.rescaled_b(max(self.b + change, FLOOR * self.b) / self.b)

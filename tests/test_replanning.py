@@ -1,0 +1,195 @@
+"""Re-planning online: the ops' measured times against the cost model, the cost re-fitted when the
+network changes, and every rank switching to the new plans at the same iteration."""
+import math
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.cost import CostModel
+from gradsync.launch import run_local
+from gradsync.runtime.channels import Channels
+from gradsync.runtime.measure.cost_watch import (DRIFT, FLOOR, PERSIST, REFERENCE_WINDOWS, WINDOW, CostWatch,
+                                                 per_byte_change)
+
+A, B = 1e-4, 1e-9
+SIZES = (4_000, 40_000, 400_000)  # the ops of an iteration, bytes
+LAYOUTS = [("plain", sum(SIZES))]
+CONTENTION = 1.7  # the computation beside the ops slows them by this factor
+SETTLED = 1 + REFERENCE_WINDOWS * WINDOW  # iterations after an installation before the first comparison
+
+
+def busy(extra_b: float = 0.0, contention: float = CONTENTION, extra: float = 0.0):
+    """One iteration's (layout, busy seconds): its ops one after another at a + b·m, slowed by
+    `contention`, plus what a link whose b grew by `extra_b` adds, plus `extra` seconds."""
+    return [("plain", sum(contention * (A + B * size) + extra_b * size for size in SIZES) + extra)]
+
+
+def iteration_time(times) -> float:
+    return 2 * sum(seconds for _, seconds in times)  # the communication is half of the iteration
+
+
+def watch_over(iterations, combine=lambda values: values, cost=CostModel(A, B), times=iteration_time):
+    """CostWatch over `iterations` (the first one settles), the plans made on `cost`: [(iteration,
+    re-fitted cost)]."""
+    watch = CostWatch(cost, "allreduce", LAYOUTS, combine)
+    return [(index, cost) for index, measured in enumerate(iterations)
+            if (cost := watch.observe(measured, times(measured))) is not None]
+
+
+def test_the_per_byte_change_is_the_summed_change_over_the_summed_bytes():
+    assert per_byte_change([100, 300], [1e-6, 3e-6]) == pytest.approx(1e-8)
+    assert per_byte_change([], []) == 0.0
+
+
+def test_rescaled_b_scales_every_collectives_b_alone():
+    cost = CostModel(A, B, gamma=1.2, host=1e-5, reduce_scatter_a=A / 3, reduce_scatter_b=B / 3)
+    rescaled = cost.rescaled_b(4.0)
+    assert (rescaled.a, rescaled.b) == pytest.approx((A, 4 * B))
+    assert rescaled.terms("reduce_scatter") == pytest.approx((A / 3, 4 * B / 3))
+    assert (rescaled.gamma, rescaled.host) == (1.2, 1e-5)
+    assert rescaled.rescaled_b(1.0).name == rescaled.name == "custom (re-fitted)"
+
+
+def test_a_slower_link_is_refitted_after_persisting_windows_and_a_steady_one_never():
+    steady = [busy()] * (SETTLED + 6 * WINDOW)
+    assert watch_over(steady) == []
+    change = SETTLED + 2 * WINDOW  # the rate drops 4x after two windows as before: 3b·m more wire time
+    slower = steady[:change] + [busy(extra_b=3 * B)] * (4 * WINDOW)
+    iteration, cost = watch_over(slower)[0]
+    assert iteration == change + PERSIST * WINDOW - 1  # at the end of the PERSIST-th slow window
+    assert (cost.a, cost.b) == pytest.approx((A, 4 * B), rel=1e-6)  # the contention is no part of it
+
+
+def test_one_slow_window_a_small_drift_or_an_insignificant_change_is_not_a_change():
+    start = [busy()] * (SETTLED + WINDOW)
+    one_slow = start + [busy(extra_b=3 * B)] * WINDOW + [busy()] * (3 * WINDOW)
+    assert watch_over(one_slow) == []
+    below = busy()[0][1] * (DRIFT - 1) * 0.8  # slower, but by less than DRIFT
+    assert watch_over(start + [busy(extra=below)] * (4 * WINDOW)) == []
+    # slower then faster in consecutive windows is no persisting change either
+    alternating = start + ([busy(extra_b=3 * B)] * WINDOW + [busy(contention=0.5)] * WINDOW) * 2
+    assert watch_over(alternating) == []
+    # 4x slower, beside an iteration a hundred times as long as the communication
+    slower = start + [busy(extra_b=3 * B)] * (4 * WINDOW)
+    assert watch_over(slower, times=lambda measured: 100 * iteration_time(measured)) == []
+
+
+def test_a_faster_link_is_refitted_too_and_the_least_time_over_the_ranks_decides():
+    faster = [busy(extra_b=3 * B)] * SETTLED + [busy()] * (3 * WINDOW)  # back from 4b to b
+    _, cost = watch_over(faster, cost=CostModel(A, 4 * B))[0]
+    assert (cost.a, cost.b) == pytest.approx((A, B), rel=1e-6)
+    # a change larger than the term itself leaves it at its floor
+    _, floored = watch_over(faster, cost=CostModel(A, B))[0]
+    assert floored.b == pytest.approx(FLOOR * B)
+    # 4x slower on this rank alone (it waited for its peer): the peer's times, the least, decide
+    slower_here = [busy()] * SETTLED + [busy(extra_b=3 * B)] * (3 * WINDOW)
+    assert watch_over(slower_here) != []
+    peer = [busy()[0][1], iteration_time(busy())]
+    assert watch_over(slower_here, combine=lambda values: [min(v, p) for v, p in zip(values, peer)]) == []
+
+
+def test_a_rank_without_timings_still_takes_part_in_every_comparison():
+    calls = []
+
+    def combine(values):
+        calls.append(values)
+        return values
+    watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, combine)
+    for _ in range(SETTLED + 2 * WINDOW):
+        assert watch.observe([], 0.01) is None
+    assert calls == [[math.inf, 0.01]] * 3  # every window, the reference's included
+
+
+class SlowWork:
+    """A collective that completes `delay` seconds after the real one: a slower link."""
+
+    def __init__(self, work, delay: float):
+        self.future = torch.futures.Future()
+        work.get_future().add_done_callback(
+            lambda _: threading.Timer(delay, lambda: self.future.set_result(None)).start())
+
+    def wait(self) -> bool:
+        self.future.wait()
+        return True
+
+    def get_future(self):
+        return self.future
+
+
+LINK = {"per_byte": 0.0}  # the emulated link's extra seconds per byte (0: the real one alone)
+STEPS, SLOW_FROM, FAST_FROM = 120, 30, 80
+
+
+def train_through_a_rate_change(rank: int, world_size: int, replan: bool, trace_path: str | None):
+    real = Channels.all_reduce
+
+    def all_reduce(self, channel, tensor):
+        work = real(self, channel, tensor)
+        extra = LINK["per_byte"] * tensor.numel() * tensor.element_size()
+        return SlowWork(work, extra) if extra else work
+    Channels.all_reduce = all_reduce
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = gradsync.wrap(model, optimizer, "mg_wfbp", cost=CostModel(A, B), replan=replan,
+                                     trace=trace_path, plan_trials=0)
+    generator = torch.Generator().manual_seed(rank)
+    replans_seen = []
+    for step in range(STEPS):
+        LINK["per_byte"] = 5e-8 if SLOW_FROM <= step < FAST_FROM else 0.0  # 3.3 ms more per 64 KiB
+        loss = model(torch.randn(16, 128, generator=generator)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        replans_seen.append(gradsync.report(model).latest.replans)
+    report = gradsync.report(model)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    result = {"replans": [(r.iteration, r.drift, r.before.b, r.after.b) for r in report.replans],
+              "replans_seen": replans_seen, "parameters": flat,
+              "cost_b": report.layouts["plain"].cost.b}
+    gradsync.runtime.attached(model).detach()
+    return result
+
+
+def test_two_ranks_replan_at_the_same_iteration_when_the_link_slows_and_again_when_it_recovers(tmp_path):
+    ranks = run_local(train_through_a_rate_change, 2, True, str(tmp_path / "trace.json"), timeout=300)
+    first, second = ranks
+    assert [r[0] for r in first["replans"]] == [r[0] for r in second["replans"]]  # the same iterations
+    assert torch.equal(first["parameters"], second["parameters"])
+    replans = first["replans"]
+    assert len(replans) == 2, replans
+    (slow_at, slow_drift, b_before, b_slow), (fast_at, fast_drift, _, b_fast) = replans
+    # iterations count from wrap: 4 of them calibrate the profile before the plans are installed
+    assert SLOW_FROM < slow_at <= SLOW_FROM + 1 + (PERSIST + 1) * WINDOW
+    assert FAST_FROM < fast_at <= FAST_FROM + 1 + (PERSIST + 1) * WINDOW
+    assert slow_drift >= DRIFT and fast_drift <= 1 / DRIFT
+    assert b_slow > 2 * b_before and b_fast < b_slow / 2
+    assert first["cost_b"] == b_fast  # the plans in force were made on the last re-fitted cost
+    seen = first["replans_seen"]
+    # in the statistics: the iterations from the one after the decision run the new plans
+    assert (seen[slow_at], seen[slow_at + 1], seen[fast_at], seen[fast_at + 1]) == (0, 1, 1, 2)
+    marks = (tmp_path / "trace.rank0.json").read_text().count("re-planned")
+    assert marks == 2  # and in the trace
+
+
+def test_replanning_can_be_turned_off():
+    first, second = run_local(train_through_a_rate_change, 2, False, None, timeout=300)
+    assert first["replans"] == second["replans"] == []
+    assert first["cost_b"] == B
+    with pytest.raises(gradsync.ConfigError, match="'replan' must be true or false"):
+        gradsync.runtime.check_wrap_arguments(replan="yes")
+
+
+def test_the_benchmark_counts_the_iterations_until_the_time_stays_near_the_fresh_runs():
+    from benchmarks.replanning import SMOOTHING, settled_after
+    # a drop at 10: two slow re-planning iterations, then at the fresh run's 2.0 s (noise inside 5%)
+    seconds = [1.0] * 10 + [3.0] * 12 + [2.0, 2.05, 1.97] * 6
+    after = settled_after(seconds, 10, len(seconds), 2.0)
+    first_inside = next(i for i in range(10 + SMOOTHING - 1, len(seconds))
+                        if all(abs(sorted(seconds[j - SMOOTHING + 1:j + 1])[SMOOTHING // 2] / 2.0 - 1) <= 0.05
+                               for j in range(i, len(seconds))))
+    assert after == first_inside - 10 and 12 <= after <= 12 + SMOOTHING
+    assert settled_after([1.0] * 10 + [3.0] * 20, 10, 30, 2.0) is None
