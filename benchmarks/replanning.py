@@ -12,11 +12,13 @@ Per row, three jobs of 2 ranks on one emulated model (its computation waited, no
 Reported per row and change: the iterations from the change until the changing run's iteration time
 (a running median of `SMOOTHING`) stays within `WITHIN` of the fresh run's steady time; the
 re-plannings (``gradsync.report(model).replans``); and whether the ranks' parameters were identical
-at every iteration (a checksum per iteration, compared across ranks).
+at every iteration (a checksum per iteration, compared across ranks). Every job's iteration times
+go into the JSON beside the report.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -99,13 +101,15 @@ def run_job(args, scheduler: str, start_gbps: float, steps: int, rates: dict[int
         return launch("benchmarks.replanning:rank_main", 2, job, timeout=args.timeout)
 
 
-def row_lines(args, scheduler: str) -> list[str]:
-    """The row's three jobs and their lines of the report."""
+def row_lines(args, scheduler: str, series: dict) -> list[str]:
+    """The row's three jobs and their lines of the report; each job's iteration times (the slower
+    rank's) go into `series`."""
     steps = args.return_at + (args.return_at - args.change_at)
     changing = run_job(args, scheduler, args.fast, steps, {args.change_at: args.slow, args.return_at: args.fast})
     fresh = {gbps: run_job(args, scheduler, gbps, args.fresh_steps, {}) for gbps in (args.slow, args.fast)}
     steady = {gbps: statistics.median(slowest_rank(ranks)[-args.steady:]) for gbps, ranks in fresh.items()}
     slowest = slowest_rank(changing)
+    series[scheduler] = {"changing": slowest, **{f"fresh at {gbps:g}": slowest_rank(ranks) for gbps, ranks in fresh.items()}}
     identical = all(ranks[0]["checksums"] == ranks[1]["checksums"] for ranks in [changing, *fresh.values()])
     lines = [f"### {scheduler}", ""]
     for label, start, end, gbps in (("drop", args.change_at, args.return_at, args.slow),
@@ -147,7 +151,8 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     started = time.perf_counter()
     try:
-        sections = [line for scheduler in args.rows for line in row_lines(args, scheduler)]
+        series = {}
+        sections = [line for scheduler in args.rows for line in row_lines(args, scheduler, series)]
     except NetbedUnavailable as missing:
         sys.exit(f"replanning: {missing}")
     command = " ".join(["python -m benchmarks.replanning", *(sys.argv[1:] if argv is None else argv)])
@@ -160,6 +165,7 @@ def main(argv=None) -> None:
         f"time: the median of their last {args.steady} iterations); total {time.perf_counter() - started:.0f} s.",
         "", *sections])
     args.out.write_text(report + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "seconds": series}) + "\n")
     print(report)
 
 

@@ -1,6 +1,7 @@
-"""Re-planning online: the ops' measured times against the cost model, the cost re-fitted when the
-network changes, and every rank switching to the new plans at the same iteration."""
+"""Re-planning online: the communication's measured time against its own reference, the cost
+re-fitted when the network changes, and every rank switching to the new plans at the same iteration."""
 import math
+import os
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import gradsync
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.runtime.channels import Channels
+from gradsync.runtime.executor import PlanExecutor
 from gradsync.runtime.measure.cost_watch import (DRIFT, FLOOR, PERSIST, REFERENCE_WINDOWS, WINDOW, CostWatch,
                                                  per_byte_change)
 
@@ -193,3 +195,32 @@ def test_the_benchmark_counts_the_iterations_until_the_time_stays_near_the_fresh
                                for j in range(i, len(seconds))))
     assert after == first_inside - 10 and 12 <= after <= 12 + SMOOTHING
     assert settled_after([1.0] * 10 + [3.0] * 20, 10, 30, 2.0) is None
+
+
+def time_communication_on_nccl(rank: int, world_size: int) -> list[float]:
+    """gradsync on NCCL with its ops' timing on: the busy times the runtime took from its executors."""
+    os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"  # read when wrap makes its process groups
+    taken, take = [], PlanExecutor.take_busy_times
+
+    def recorded(executor):
+        times = take(executor)
+        taken.extend(times)
+        return times
+    PlanExecutor.take_busy_times = recorded
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).cuda()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01), "mg_wfbp", timeout=120)
+    for _ in range(24):
+        model(torch.randn(32, 256, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    gradsync.runtime.attached(model).detach()
+    return taken
+
+
+@pytest.mark.gpu
+def test_the_communication_is_timed_on_nccl(record_property):
+    busy, = run_local(time_communication_on_nccl, 1, backend="nccl", timeout=300)
+    record_property("busy_ms", [round(seconds * 1e3, 3) for seconds in busy[:8]])
+    assert busy and all(0 < seconds < 1 for seconds in busy)

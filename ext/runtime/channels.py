@@ -77,6 +77,12 @@ class Channels:
             return 1
         return self.groups[0]._get_backend(torch.device("cpu")).options._threads
 
+    @property
+    def timed_on_device(self) -> bool:
+        """Whether an op's completion is known on the device alone (NCCL, whose works complete on
+        the host at launch): its duration then comes from the backend (``Work._get_duration``)."""
+        return not self.forests and dist.get_backend(self.groups[0]) == dist.Backend.NCCL
+
     def __len__(self) -> int:
         return len(self.groups)
 

@@ -108,6 +108,7 @@ class PlanExecutor:
 
     def time_ops(self) -> None:
         """From now on, time each iteration's communication (``take_busy_times``)."""
+        self.timed_on_device = self.channels.timed_on_device
         self.times_ops = True
 
     def take_busy_times(self) -> list[float]:
@@ -119,12 +120,12 @@ class PlanExecutor:
     def _record_busy_time(self) -> None:
         """The finished iteration's busy time into `busy_times` (``measure.cost_watch``, step 1):
         the time during which some op was in flight (the union of the ops' spans from launch to
-        completion; ops that share the link, or queue behind one another, count once). On CUDA,
-        the sum of the backend's own durations of the ops (NCCL's, with
-        TORCH_NCCL_ENABLE_TIMING=1, else none are recorded)."""
+        completion; ops that share the link, or queue behind one another, count once). On NCCL,
+        the sum of the backend's own durations of the ops (with TORCH_NCCL_ENABLE_TIMING=1, else
+        none are recorded)."""
         if any(state.work is None for state in self.ops):  # the iteration never reached some op
             return
-        if self.ops and self.channels.transport == "allreduce" and self.ops[0].buffer.is_cuda:
+        if self.timed_on_device:
             try:
                 self.busy_times.append(sum(state.work._get_duration() for state in self.ops) / 1e3)
             except RuntimeError:  # NCCL's timing is off: no samples from this rank
@@ -320,7 +321,7 @@ class PlanExecutor:
                                                           [state.buffer[start:end] for start, end in state.segments])
             else:
                 state.work = self.channels.all_reduce(state.channel, state.buffer)
-        if self.times_ops and not state.buffer.is_cuda:
+        if self.times_ops and not self.timed_on_device:
             self._note_completion(index, state.work)
 
     def _pack(self, state: _OpState) -> None:
