@@ -10,7 +10,8 @@ Per row, three jobs of 2 ranks on one emulated model (its computation waited, no
 - fresh at `--slow` and fresh at `--fast`: gradsync started at that rate, for `--fresh-steps`; its
   steady time is the median of its last `--steady` iterations.
 Reported per row and change: the iterations from the change until the changing run's iteration time
-(a running median of `SMOOTHING`) stays within `WITHIN` of the fresh run's steady time; the
+(a running median of `SMOOTHING`) stays within `WITHIN` of the fresh run's steady time (no more than
+that above it: faster counts as within); the
 re-plannings (``gradsync.report(model).replans``); and whether the ranks' parameters were identical
 at every iteration (a checksum per iteration, compared across ranks). Every job's iteration times
 go into the JSON beside the report.
@@ -80,10 +81,10 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
 
 
 def settled_after(seconds: list[float], start: int, end: int, target: float) -> int | None:
-    """Iterations from `start` until the running median of `SMOOTHING` stays within `WITHIN` of
-    `target` up to `end` (None: it never does)."""
+    """Iterations from `start` until the running median of `SMOOTHING` stays at most `WITHIN` above
+    `target` up to `end` (None: it never does); faster than the fresh run counts as within."""
     medians = [statistics.median(seconds[i - SMOOTHING + 1:i + 1]) for i in range(start + SMOOTHING - 1, end)]
-    inside = [abs(m / target - 1) <= WITHIN for m in medians]
+    inside = [m <= (1 + WITHIN) * target for m in medians]
     for offset in range(len(inside)):
         if all(inside[offset:]):
             return offset + SMOOTHING - 1

@@ -136,12 +136,13 @@ class Alternative:
 
 
 def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner,
-                      count: int, collective: str = ALLREDUCE) -> list[Alternative]:
+                      count: int, collective: str = ALLREDUCE,
+                      incumbent: BoundPlanner | None = None) -> list[Alternative]:
     """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: first
     its baseline (``BoundPlanner.baseline``: torch DDP's buckets) when its candidates include one,
     then the planner itself (its own choice), then the planner restricted to each other candidate,
-    best predicted cycle time first; any whose steady layouts' plans equal those of one already
-    listed is skipped.
+    best predicted cycle time first; given an `incumbent`, that planner and the planner itself
+    alone. Any whose steady layouts' plans equal those of one already listed is skipped.
 
     Args:
         profile, cost: what the plans are made on.
@@ -149,17 +150,19 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
         planner: a bound planner that chooses (``BoundPlanner.chooses``).
         count: the most alternatives returned.
         collective: the plans' ops' (``plan_layouts``).
+        incumbent: the planner whose plans run now, kept unless another is faster (re-planning).
     """
     def alternative(bound: BoundPlanner) -> tuple[Alternative, tuple[str, ...]]:
         layout_plans, predicted = predict_cycle(profile, cost, bound, codec, collective=collective)
         steady = [layout_plans[layout].plan for layout in steady_layouts(codec)]
         return Alternative(bound, chosen_label(steady), predicted), tuple(plan.hash for plan in steady)
 
-    baseline = planner.baseline()
+    baseline = incumbent or planner.baseline()
     first = [alternative(baseline)] if baseline is not None else []
     first.append(alternative(planner))
-    ranked = sorted((alternative(single) for single in planner.alternatives() if single != baseline),
-                    key=lambda item: (item[0].predicted, item[0].planner.described()))
+    ranked = [] if incumbent is not None else sorted(
+        (alternative(single) for single in planner.alternatives() if single != baseline),
+        key=lambda item: (item[0].predicted, item[0].planner.described()))
     alternatives, seen = [], set()
     for single, hashes in [*first, *ranked]:
         if len(alternatives) >= count:

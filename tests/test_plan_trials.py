@@ -173,6 +173,21 @@ def test_without_ddp_among_the_candidates_auto_own_choice_comes_first():
     assert alternatives[0].planner == auto and auto.baseline() is None
 
 
+def test_after_a_replanning_the_incumbent_is_the_baseline_and_the_new_choice_its_only_challenger():
+    profile = zoo("resnet50")
+    codec = compress.build(None)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
+    auto = planners.bind("auto")
+    slower_link = CostModel.preset("asc-wfbp-10gbe", 8).rescaled_b(4.0)
+    incumbent = planners.bind("auto", candidates=("wfbp",))  # what ran before the link slowed
+    alternatives = plan_alternatives(profile, slower_link, codec, auto, 4, incumbent=incumbent)
+    assert [alternative.planner for alternative in alternatives] == [incumbent, auto]
+    # the incumbent's plans on the new cost, predicted as any other
+    assert alternatives[0].predicted == pytest.approx(predict_cycle(profile, slower_link, incumbent, codec)[1])
+    # an incumbent that makes auto's own plans leaves nothing to time
+    assert len(plan_alternatives(profile, slower_link, codec, auto, 4, incumbent=auto)) == 1
+
+
 def training_with_trials(rank, world_size):
     """60 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
     torch.manual_seed(3)

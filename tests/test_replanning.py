@@ -191,10 +191,11 @@ def test_the_benchmark_counts_the_iterations_until_the_time_stays_near_the_fresh
     seconds = [1.0] * 10 + [3.0] * 12 + [2.0, 2.05, 1.97] * 6
     after = settled_after(seconds, 10, len(seconds), 2.0)
     first_inside = next(i for i in range(10 + SMOOTHING - 1, len(seconds))
-                        if all(abs(sorted(seconds[j - SMOOTHING + 1:j + 1])[SMOOTHING // 2] / 2.0 - 1) <= 0.05
+                        if all(sorted(seconds[j - SMOOTHING + 1:j + 1])[SMOOTHING // 2] <= 1.05 * 2.0
                                for j in range(i, len(seconds))))
     assert after == first_inside - 10 and 12 <= after <= 12 + SMOOTHING
     assert settled_after([1.0] * 10 + [3.0] * 20, 10, 30, 2.0) is None
+    assert settled_after([1.0] * 30, 10, 30, 2.0) == SMOOTHING - 1  # faster than the fresh run: within
 
 
 def time_communication_on_nccl(rank: int, world_size: int) -> list[float]:

@@ -73,6 +73,7 @@ class InstalledPlans:
         self.replan = replan
         self.cost_watch: CostWatch | None = None  # compares the installed plans' ops with the cost
         self.replans: list[Replan] = []  # the re-plannings online so far
+        self.current = planner  # the planner whose plans are installed
 
     def install(self, profile: ModelProfile, cost: CostModel, planner: BoundPlanner | None = None) -> None:
         """Plan every wire layout of the codec, check the plans' hashes on every rank, and execute
@@ -83,6 +84,7 @@ class InstalledPlans:
             planner: the bound planner (None: the wrapped scheduler).
         """
         planner = planner or self.planner
+        self.current = planner
         layout_plans = {layout: replace(entry, plan=entry.plan.with_transport(self.channels.transport))
                         for layout, entry in plan_layouts(profile, cost, planner, self.codec,
                                                           collective=self.collective).items()}
@@ -153,11 +155,14 @@ class InstalledPlans:
                 self.install(self.profile, self.cost, request.planner)
             self.trials, self.watch, self.measurement = request.result, request.watch, None
 
-    def _choose_plans(self, profile: ModelProfile) -> None:
+    def _choose_plans(self, profile: ModelProfile, incumbent: BoundPlanner | None = None) -> None:
         """Install the wrapped planner's plans on `profile` and the cost in force, after timing them
-        against each other where it chooses among others (``measure.trials``)."""
+        against each other where it chooses among others (``measure.trials``): against torch DDP's
+        buckets at first; after a re-planning (`incumbent`: the planner whose plans run now), its new
+        choice alone against the incumbent's plans on the new cost, so that a run that is fast
+        already is not slowed by timing plans that are not."""
         self.measurement = PlanTrials.start(profile, self.cost, self.codec, self.planner, self.plan_trials,
-                                            self.channels, self.table.device, self.collective)
+                                            self.channels, self.table.device, self.collective, incumbent)
         self._carry_out(self.measurement.first if self.measurement is not None else Install(profile))
 
     def _plan_again(self, cost: CostModel, iteration: int) -> None:
@@ -170,7 +175,7 @@ class InstalledPlans:
         if self.trace is not None:
             self.trace.mark(f"re-planned: ops {replan.drift:.2f}x their reference time")
         self.cost, self.watch = cost, None
-        self._choose_plans(self.profile)
+        self._choose_plans(self.profile, incumbent=self.current)
 
     def _least_over_ranks(self, values: list[float]) -> list[float]:
         with waiting_for("the cost watch's comparison of the communication's time (every 8 iterations)", self.channels.timeout):

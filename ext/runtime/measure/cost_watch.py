@@ -19,8 +19,8 @@ model re-fitted from those times when the network changes.
    so the per-byte term moves by the summed change over the summed bytes (``per_byte_change``);
    the latency a stays as probed (the ops' sharing of the link hides its change). Every
    collective's b moves in that proportion (``CostModel.rescaled_b``).
-4. The runtime plans again on the re-fitted cost (a choosing planner times its plans again), every
-   rank at the same iteration, the plans' hashes checked as at wrap time (``runtime.installed``).
+4. The runtime plans again on the re-fitted cost (a choosing planner times its new choice against
+   the plans that ran), every rank at the same iteration, the plans' hashes checked as at wrap time (``runtime.installed``).
    Every rank decides on the same numbers, so every rank decides alike.
 """
 from __future__ import annotations

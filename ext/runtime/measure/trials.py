@@ -188,7 +188,8 @@ class PlanTrials(Measurement):
 
     @classmethod
     def start(cls, profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner, count: int,
-              channels: Channels, device: torch.device, collective: str = ALLREDUCE) -> "PlanTrials | None":
+              channels: Channels, device: torch.device, collective: str = ALLREDUCE,
+              incumbent: BoundPlanner | None = None) -> "PlanTrials | None":
         """Trials of up to `count` plans of `planner` (install ``first`` now); None when there is
         nothing to compare (a planner that does not choose, `count` < 2, or every candidate makes
         the same plans).
@@ -200,10 +201,12 @@ class PlanTrials(Measurement):
             count: ``wrap``'s `plan_trials`.
             channels, device: as the constructor's.
             collective: the plans' ops' (``planning.plan_layouts``).
+            incumbent: the planner whose plans run now, the baseline in place of torch DDP's
+                buckets (``planning.plan_alternatives``).
         """
         if count < 2 or not planner.chooses:
             return None
-        alternatives = plan_alternatives(profile, cost, codec, planner, count, collective)
+        alternatives = plan_alternatives(profile, cost, codec, planner, count, collective, incumbent)
         if len(alternatives) < 2:
             return None
         cycle = len(codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
