@@ -35,7 +35,7 @@ def plan(profile: ModelProfile, cost: CostModel, *, candidates: tuple[str, ...] 
             same plan with its waits deferred to the next forward (``Plan.with_deferred_waits``), which
             must also win by `tolerance`. Not the default: on the emulated cluster the deferred plans
             ran 5.8% slower than the same plans waited for at the step (median over 16 pairs) where
-            the simulator predicted them about 5% faster (benchmarks/REPRODUCTION.md).
+            the simulator predicted them about 5% faster (benchmarks/results/history/cost_model.md).
         confidence, trial_seconds: for the trials of the plans on the job
             (``gradsync.runtime.measure.trials``), not for this prediction.
     """
