@@ -39,6 +39,7 @@ bench: install
 	$(PY) -m benchmarks.head_to_head
 	$(PY) -m benchmarks.deepspeed_zero
 	$(PY) -m benchmarks.interference > /dev/null && echo "wrote benchmarks/results/interference.md"
+	$(PY) -m benchmarks.replanning > /dev/null && echo "wrote benchmarks/results/replanning.md"
 
 # The GPU acceptance run (benchmarks/gpu_check): on a CUDA machine with its own python3 and no network
 # it installs gradsync offline and writes its report into GPU_CHECK_DIR (default gpu-check-report/).

@@ -359,3 +359,25 @@ def test_the_survivor_of_a_killed_peer_exits_within_the_timeout_after_its_error(
     assert ranks[1].returncode == -9 and ranks[0].returncode == 3, (output[-500:], errors[-2000:])
     failed_at = float(output.split("error at ")[1].split(":")[0])
     assert exited - failed_at < timeout, (exited - failed_at)
+
+
+def test_channels_a_framework_never_releases_are_released_at_exit():
+    """Each rank its own process, ending with gradsync attached and no teardown at all: gradsync's
+    exit handler releases its channel groups while torch.distributed is still up, and both ranks
+    exit cleanly."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gradsync.launch import free_port
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "GLOO_SOCKET_IFNAME": "lo"}
+    job = str(Path(__file__).with_name("exit_without_teardown_job.py"))
+    ranks = [subprocess.Popen([sys.executable, job], env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    for process in ranks:
+        output, errors = process.communicate(timeout=120)
+        assert process.returncode == 0, errors[-2000:]
+        assert "trained: 2 channel group(s)" in output
+        assert "left: 0 channel group(s); default group up: True" in output, (output, errors[-2000:])

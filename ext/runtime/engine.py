@@ -18,6 +18,7 @@ went).
 """
 from __future__ import annotations
 
+import atexit
 import time
 import weakref
 from contextlib import contextmanager
@@ -353,6 +354,18 @@ def _broadcast_from_first(tensors, process_group) -> None:
         parts = torch.split(flat, [tensor.numel() * tensor.element_size() for tensor in ordered])
         for tensor, part in zip(ordered, parts):
             tensor.copy_(part.view(tensor.dtype).view_as(tensor))
+
+
+@atexit.register
+def _release_channels_at_exit() -> None:
+    """At interpreter exit, release the channels of the runtimes still attached (a framework that
+    never tears its engine down) while torch.distributed is still up, rather than leave their
+    process groups to the interpreter's teardown. Pending updates are not applied: the process
+    is ending."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for sync in list(_ATTACHED.values()):
+        sync.channels.destroy()
 
 
 def attached(model) -> GradSync:
