@@ -5,6 +5,24 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# DeepSpeed's CPU communication makes a shared-memory buffer per rank and master port (69 MB each)
+# and never removes it; the DeepSpeed jobs here each take a new port
+DEEPSPEED_BUFFERS = Path("/dev/shm")
+DEEPSPEED_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"
+
+
+def deepspeed_buffers() -> set[Path]:
+    return set(DEEPSPEED_BUFFERS.glob(DEEPSPEED_BUFFER_PREFIX + "*")) if DEEPSPEED_BUFFERS.is_dir() else set()
+
+
+def pytest_sessionstart(session):
+    session.config.deepspeed_buffers_before = deepspeed_buffers()
+
+
+def pytest_sessionfinish(session):
+    """Remove the DeepSpeed buffers this session's jobs left (a few GB over the suite)."""
+    for path in deepspeed_buffers() - getattr(session.config, "deepspeed_buffers_before", set()):
+        path.unlink(missing_ok=True)
 
 
 def pytest_collection_modifyitems(config, items):
