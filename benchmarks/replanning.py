@@ -110,7 +110,8 @@ def row_lines(args, scheduler: str, series: dict) -> list[str]:
     fresh = {gbps: run_job(args, scheduler, gbps, args.fresh_steps, {}) for gbps in (args.slow, args.fast)}
     steady = {gbps: statistics.median(slowest_rank(ranks)[-args.steady:]) for gbps, ranks in fresh.items()}
     slowest = slowest_rank(changing)
-    series[scheduler] = {"changing": slowest, **{f"fresh at {gbps:g}": slowest_rank(ranks) for gbps, ranks in fresh.items()}}
+    series[scheduler] = {"changing": slowest,
+                         **{f"fresh at {gbps:g}": slowest_rank(ranks) for gbps, ranks in fresh.items()}}
     identical = all(ranks[0]["checksums"] == ranks[1]["checksums"] for ranks in [changing, *fresh.values()])
     lines = [f"### {scheduler}", ""]
     for label, start, end, gbps in (("drop", args.change_at, args.return_at, args.slow),

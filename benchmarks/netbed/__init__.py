@@ -12,5 +12,6 @@ from .commands import rate_commands, setup_commands
 from .launcher import launch
 from .spec import RATE_PRESETS, NetSpec, from_matrix, from_topology, uniform
 
-__all__ = ["NetSpec", "NetbedBusy", "NetbedError", "NetbedUnavailable", "RATE_PRESETS", "check_available", "from_matrix",
-           "from_topology", "launch", "netbed", "rate_commands", "setup_commands", "status", "teardown", "uniform", "up"]
+__all__ = ["NetSpec", "NetbedBusy", "NetbedError", "NetbedUnavailable", "RATE_PRESETS", "check_available",
+           "from_matrix", "from_topology", "launch", "netbed", "rate_commands", "setup_commands", "status", "teardown",
+           "uniform", "up"]

@@ -2,9 +2,10 @@
 their predictions, and the measurement that replaces them while it runs (``runtime.measure``).
 
 After the measurement the predictions follow the computation's measured speed
-(``runtime.compute_speed``), and, with `replan`, the plans are made again on a re-fitted cost when
-the ops' measured times depart from it (``runtime.measure.cost_watch``). Every rank installs the same plans at the same iteration: each
-installation checks the plans' hashes on every rank.
+(``runtime.compute_speed``) and, with `replan`, the plans are made again on a re-fitted cost when
+the communication's measured time departs from its reference (``runtime.measure.cost_watch``).
+Every rank installs the same plans at the same iteration: each installation checks the plans'
+hashes on every rank.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class InstalledPlans:
         plan_trials: how many of a choosing planner's plans to time once the profile is measured.
         nonfinite, trace, partition: for the executors (``PlanExecutor``); with a `partition` and no
             compressor the plans' ops are reduce-scatters (each rank needs its partition alone).
-        replan: watch the ops' times and plan again when the network changes (``measure.cost_watch``).
+        replan: time the communication and plan again when the network changes (``measure.cost_watch``).
     """
 
     def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
@@ -71,7 +72,7 @@ class InstalledPlans:
         self.trials: TrialResult | None = None  # what auto's latest trials timed and kept (PlanTrials)
         self.watch: ChoiceWatch | None = None  # checks auto's choice after its trials
         self.replan = replan
-        self.cost_watch: CostWatch | None = None  # compares the installed plans' ops with the cost
+        self.cost_watch: CostWatch | None = None  # times the installed plans' communication
         self.replans: list[Replan] = []  # the re-plannings online so far
         self.current = planner  # the planner whose plans are installed
 
@@ -124,7 +125,8 @@ class InstalledPlans:
 
     def iteration_done(self, done: IterationDone, predicted_busy: float) -> None:
         """After a synchronised iteration: the measurement in progress goes on; else the predictions
-        follow the computation's speed and auto's choice is checked."""
+        follow the computation's speed, the communication is compared with its reference (a change
+        of the network re-plans) and auto's choice is checked."""
         busy = [(layout, seconds) for layout, executor in self.executors.items()
                 for seconds in executor.take_busy_times()]
         if self.measurement is not None:
@@ -173,12 +175,13 @@ class InstalledPlans:
         if self.channels.rank == 0:
             log.info("gradsync: %s", replan.summary())
         if self.trace is not None:
-            self.trace.mark(f"re-planned: ops {replan.drift:.2f}x their reference time")
+            self.trace.mark(f"re-planned: communication {replan.drift:.2f}x its reference time")
         self.cost, self.watch = cost, None
         self._choose_plans(self.profile, incumbent=self.current)
 
     def _least_over_ranks(self, values: list[float]) -> list[float]:
-        with waiting_for("the cost watch's comparison of the communication's time (every 8 iterations)", self.channels.timeout):
+        with waiting_for("the cost watch's comparison of the communication's time (every 8 iterations)",
+                         self.channels.timeout):
             return least_over_ranks(values, self.channels.process_group, self.table.device)
 
     def _follow_compute_speed(self) -> None:
