@@ -64,9 +64,7 @@ def slowest_over_ranks(value: float, process_group, device: torch.device) -> flo
         process_group: the ranks.
         device: where the backend takes its tensors (CUDA for NCCL).
     """
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=process_group)
-    return float(tensor.item())
+    return _reduced_over_ranks([value], dist.ReduceOp.MAX, process_group, device)[0]
 
 
 def least_over_ranks(values: list[float], process_group, device: torch.device) -> list[float]:
@@ -77,6 +75,10 @@ def least_over_ranks(values: list[float], process_group, device: torch.device) -
         process_group: the ranks.
         device: where the backend takes its tensors (CUDA for NCCL).
     """
+    return _reduced_over_ranks(values, dist.ReduceOp.MIN, process_group, device)
+
+
+def _reduced_over_ranks(values: list[float], op, process_group, device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=process_group)
+    dist.all_reduce(tensor, op=op, group=process_group)
     return tensor.tolist()
