@@ -145,6 +145,8 @@ WORKLOADS = {"cnn": Workload("CNN (small tensors)", 8, "images of 3×32×32", sm
 # time on EMULATED_DEVICE, waited without occupying a core, and every tensor EMULATED_SIZE_SCALE times
 # its size, so that 4 and 8 ranks' transfers, reductions and gradient writes stay within 2 cores: a
 # link of R Gbit/s then carries what one of R / EMULATED_SIZE_SCALE Gbit/s carries for the full model.
+# --time-scale k runs them in slow motion: every layer's time ×k, so a link of R Gbit/s stands for
+# R × k / EMULATED_SIZE_SCALE Gbit/s at the device's speed, while the host's own cost per op stays.
 EMULATED_DEVICE = "V100"
 EMULATED_SIZE_SCALE = 0.05
 EMULATED_MODELS = {"emulated_resnet50": ("resnet50", "ResNet-50"), "emulated_bert_base": ("bert_base", "BERT-Base"),
@@ -164,8 +166,8 @@ def weighted_mean(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def emulated_workload(zoo_name: str, description: str) -> Workload:
     """The zoo's `zoo_name` as an EmulatedModel: its times are those of the zoo's batch on the
     device; the batch it is given only weighs the gradients."""
-    def build() -> nn.Module:
-        return EmulatedModel(zoo(zoo_name, device=EMULATED_DEVICE), EMULATED_SIZE_SCALE)
+    def build(time_scale: float = 1.0) -> nn.Module:
+        return EmulatedModel(zoo(zoo_name, device=EMULATED_DEVICE).scaled(time_scale), EMULATED_SIZE_SCALE)
 
     return Workload(f"{description} emulated on a {EMULATED_DEVICE}, tensors ×{EMULATED_SIZE_SCALE:g}", 8,
                     "weights (an emulated model's times are its profile's)", build, emulated_inputs,
@@ -371,7 +373,7 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     """One rank of a setting: every row interleaved in blocks; per row, its timed blocks."""
     torch.manual_seed(0)
     workload = WORKLOADS[job["model"]]
-    base = workload.build_model()
+    base = workload.build_model(job["time_scale"]) if job["model"] in EMULATED_MODELS else workload.build_model()
     cost = shared_cost(base)  # the rows plan with this fit
     fits = [cost]
     compute_only = copy.deepcopy(base)
@@ -407,13 +409,17 @@ class Setting:
     model: str
     world_size: int
     network: str  # a rate preset (1gbit, 10gbit), Gbit/s, or "topology <name>"
+    time_scale: float = 1.0  # an emulated model's slow motion (--time-scale)
 
     @property
     def title(self) -> str:
         network = self.network
         if self.model in EMULATED_MODELS and not network.startswith("topology"):
             gbps = RATE_PRESETS.get(network) or float(network)
-            network = f"{gbps:g} Gbit/s (≙ {gbps / EMULATED_SIZE_SCALE:g} Gbit/s for the full-size model)"
+            full_size = gbps * self.time_scale / EMULATED_SIZE_SCALE
+            network = (f"{gbps:g} Gbit/s (≙ {full_size:g} Gbit/s for the full-size model)" if self.time_scale == 1 else
+                       f"{gbps:g} Gbit/s, times ×{self.time_scale:g} (≙ {full_size:g} Gbit/s for the full-size"
+                       " model at the device's speed)")
         return f"{WORKLOADS[self.model].description}, {self.world_size} ranks, {network}"
 
 
@@ -676,8 +682,9 @@ NOTES = [
 ]
 
 
-def workload_notes(models: set[str]) -> list[str]:
-    """What the run's models compute: real ranks' batches, or the emulated accelerators."""
+def workload_notes(models: set[str], time_scale: float = 1.0) -> list[str]:
+    """What the run's models compute: real ranks' batches, or the emulated accelerators (in slow
+    motion where `time_scale` > 1)."""
     notes = []
     real = [name for name in REAL_MODELS if name in models]
     if real:
@@ -692,14 +699,22 @@ def workload_notes(models: set[str]) -> list[str]:
             f" (gradient writes, reductions and transfers stay within 2 cores), so a link of R Gbit/s stands for"
             f" R / {EMULATED_SIZE_SCALE:g} Gbit/s for the full-size model. The compressors' encoding and decoding"
             " is real CPU work on the scaled tensors.")
+        if time_scale != 1:
+            notes.append(
+                f"Slow motion: every emulated layer's forward and backward time is ×{time_scale:g}, so a link of"
+                f" R Gbit/s stands for R × {time_scale:g} / {EMULATED_SIZE_SCALE:g} Gbit/s at the device's speed;"
+                " the host's own cost per op (Python, gloo, the kernel's network stack) is not slowed, and so"
+                f" weighs 1/{time_scale:g} as much as at full speed: a host that much faster than its device, as"
+                " the papers' hosts are beside their GPUs.")
     return notes
 
 
 def markdown(command: str, summaries: dict[Setting, dict[str, RowResult]], costs: dict[Setting, str],
              failures: dict[Setting, str], environment: str) -> str:
     models = {setting.model for setting in [*summaries, *failures]}
+    time_scale = max((setting.time_scale for setting in [*summaries, *failures]), default=1.0)  # one per run
     lines = ["# Head-to-head on the emulated cluster", "", f"Command: `{command}`", "", environment, "",
-             *NOTES, *workload_notes(models), "", "## Targets", "", *targets(summaries), ""]
+             *NOTES, *workload_notes(models, time_scale), "", "## Targets", "", *targets(summaries), ""]
     for setting in [*summaries, *failures]:
         lines += [f"## {setting.title}", ""]
         if setting in failures:
@@ -793,12 +808,13 @@ def network_specs(args) -> list[tuple[str, int, object, dict | None]]:
 
 
 def run_settings(args) -> tuple[dict, dict, dict]:
-    job = {"rows": args.rows, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "block": args.block}
+    job = {"rows": args.rows, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "block": args.block,
+           "time_scale": args.time_scale}
     summaries, costs, failures = {}, {}, {}
     for network, world_size, spec, topology in network_specs(args):
         with netbed(spec):
             for model in args.models:
-                setting = Setting(model, world_size, network)
+                setting = Setting(model, world_size, network, args.time_scale)
                 print(f"running: {setting.title}", flush=True)
                 started, steal_before = time.perf_counter(), stolen_cpu_seconds()
                 try:
@@ -828,6 +844,8 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--emulated", action="store_true",
                      help=f"the zoo's models on emulated {EMULATED_DEVICE}s (computation that leaves the cores free), "
                           f"4 and 8 ranks, tensors ×{EMULATED_SIZE_SCALE:g}")
+    cli.add_argument("--time-scale", type=float, default=1.0,
+                     help="emulated models only: every layer's time ×k (slow motion; link rates stand for ×k)")
     cli.add_argument("--topology", help="a gradsync topology preset or file: per-pair rates instead of --rates")
     cli.add_argument("--inter-gbps", type=float, default=1.0, help="inter-machine Gbit/s of a cluster preset")
     cli.add_argument("--rows", nargs="+", choices=list(ROWS),
@@ -859,6 +877,8 @@ def main(argv=None) -> None:
         args.rows = default_rows(bool(args.topology))
     if not args.topology and set(args.rows) & set(TOPOLOGY_ROWS):
         sys.exit(f"head_to_head: rows {', '.join(TOPOLOGY_ROWS)} need --topology (a heterogeneous network)")
+    if not args.time_scale > 0 or (args.time_scale != 1 and set(args.models) - set(EMULATED_MODELS)):
+        sys.exit("head_to_head: --time-scale must be > 0, and other than 1 only for emulated models")
     if "ddp" not in args.rows:
         args.rows = ["ddp", *args.rows]  # every ratio is to torch DDP
     started, load_before, steal_before = time.perf_counter(), os.getloadavg()[0], stolen_cpu_seconds()

@@ -257,3 +257,22 @@ def test_the_emulated_targets_compare_mg_wfbp_with_wfbp_and_the_papers_pairs():
     assert "best non-compressing plan (gradsync asc_wfbp) 1.50× torch DDP (target ≥ 1.2×): reached" in small[0]
     assert all("asc_wfbp 1.25× mg_wfbp; us_byte 1.10× bytescheduler" in lines[-1] for lines in (small, large))
     assert len(large) == 1  # the small-tensor targets only where the issue sets them
+
+
+def test_slow_motion_stretches_an_emulated_models_times_and_the_rate_it_stands_for():
+    """--time-scale k: every layer's forward and backward time ×k, the tensors unchanged; a link of
+    R Gbit/s then stands for R × k / size scale Gbit/s at the device's speed, and the report says so."""
+    from benchmarks.head_to_head import EMULATED_SIZE_SCALE, WORKLOADS, workload_notes
+
+    workload = WORKLOADS["emulated_mobilenet_v2"]
+    normal, slow = workload.build_model(), workload.build_model(8.0)
+    for layer, stretched in zip(normal.emulated_profile.layers, slow.emulated_profile.layers):
+        assert stretched.forward_time == pytest.approx(8 * layer.forward_time)
+        assert stretched.backward_time == pytest.approx(8 * layer.backward_time)
+        assert stretched.tensors == layer.tensors
+    full_size = 0.0625 * 8 / EMULATED_SIZE_SCALE
+    assert f"times ×8 (≙ {full_size:g} Gbit/s for the full-size model" in Setting(
+        "emulated_mobilenet_v2", 8, "0.0625", 8.0).title
+    assert "≙ 10 Gbit/s" in Setting("emulated_mobilenet_v2", 8, "0.5").title
+    assert any("Slow motion" in note for note in workload_notes({"emulated_mobilenet_v2"}, 8.0))
+    assert not any("Slow motion" in note for note in workload_notes({"emulated_mobilenet_v2"}))
