@@ -27,7 +27,8 @@ test: install
 bench: install
 	$(PY) benchmarks/planner_speed.py
 	$(PY) benchmarks/reproduce_planners.py > /dev/null && echo "wrote benchmarks/results/reproduce_planners.md"
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.overhead --rate 10gbit
 	$(PY) benchmarks/compression_speed.py
 	$(PY) benchmarks/triton_kernels.py
 	$(PY) benchmarks/convergence_digits.py > /dev/null && echo "wrote benchmarks/results/convergence_digits.md"

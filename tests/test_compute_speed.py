@@ -17,16 +17,28 @@ from runtime_models import COST
 
 def test_the_scale_moves_by_the_windows_median_ratio_beyond_the_tolerance():
     speed = ComputeSpeed(window=3, tolerance=0.05)
-    assert [speed.observe(measured, 1.0) for measured in (2.0, 9.0, 1.8)] == [False, False, True]
-    ratio = speed.window_ratio()
-    assert ratio == 2.0 and speed.ratios == []  # the median: one disturbed iteration does not count
-    assert speed.rescale(ratio) and speed.scale == 2.0
+    # the window's median ratio is reduced at the iteration that closes it and read at the next one
+    assert [speed.observe(measured, 1.0) for measured in (2.0, 9.0, 1.8)] == [False, False, False]
+    assert speed.ratios == [] and speed.scale == 1.0
+    assert speed.observe(7.0, 1.0) and speed.scale == 2.0  # the median: one disturbed iteration does not count
+    assert speed.ratios == []  # that iteration was predicted at the old scale: left out
     # predictions made with the new scale: measured/predicted ratios near 1 keep it
-    assert not speed.rescale(1.04) and speed.scale == 2.0
+    assert not any(speed.observe(measured, 2.0) for measured in (2.08, 2.0, 2.1, 2.0)) and speed.scale == 2.0
     assert speed.rescale(0.5) and speed.scale == 1.0
     # a prediction of nothing counts as on time
     speed.observe(0.3, 0.0)
-    assert speed.ratios == [1.0]
+    assert speed.ratios[-1] == 1.0
+
+
+def test_the_slowest_ranks_ratio_scales_every_rank():
+    started = []
+
+    def slower_peer(values):  # another rank's window ran 3 times its prediction
+        started.append(values)
+        return lambda: [max(values[0], 3.0)]
+    speed = ComputeSpeed(window=2, tolerance=0.05, start=slower_peer)
+    assert not speed.observe(1.0, 1.0) and not speed.observe(1.2, 1.0) and started == [[1.1]]
+    assert speed.observe(1.0, 1.0) and speed.scale == 3.0
 
 
 @pytest.mark.parametrize("window, tolerance, message", [(0, 0.1, "'window'"), (True, 0.1, "'window'"),

@@ -263,6 +263,7 @@ def stalled_peer(rank, world_size, where, released):
     from gradsync import runtime
     from gradsync.runtime import installed
     from gradsync.runtime.measure import calibration, trials
+    from gradsync.runtime.over_ranks import PendingReduction
 
     def stalling(function):
         def stalled(*args, **kwargs):
@@ -271,7 +272,7 @@ def stalled_peer(rank, world_size, where, released):
         return stalled
 
     modules = {"runtime": runtime, "engine": engine, "installed": installed, "calibration": calibration,
-               "trials": trials, "PlanTrials": trials.PlanTrials}
+               "trials": trials, "PlanTrials": trials.PlanTrials, "PendingReduction": PendingReduction}
     module, attribute, options = STALL_POINTS[where]
     if rank == 1 and module is not None:
         setattr(modules[module], attribute, stalling(getattr(modules[module], attribute)))
@@ -312,10 +313,11 @@ STALL_POINTS = {
     "layer times": ("calibration", "gather_from_all", {"profile": "measure"}),
     "trials": ("PlanTrials", "_end_round", {"scheduler": "auto", "profile": "measure"}),
     "buffers": ("engine", "_broadcast_from_first", {}),
-    "speed": ("installed", "slowest_over_ranks", {}),
-    # after 4 trial rounds (33 iterations, the 0.01 s budget spent) and a window of 16
-    "choice check": ("trials", "slowest_over_ranks", {"scheduler": "auto", "profile": "measure",
-                                                      "trial_seconds": 0.01}),
+    # a watcher's reduction over the ranks (the compute speed's, after 8 iterations) is read an
+    # iteration later: the peer is missed first at that iteration's first collective, here the
+    # gradients' communication (the buffers are not broadcast) and else the buffers' broadcast
+    "watchers": ("PendingReduction", "start", {"broadcast_buffers": False}),
+    "watchers, buffers": ("PendingReduction", "start", {}),
     "state_dict": (None, None, {"compressor": "acp_sgd"}),
 }
 NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check of gradsync.wrap",
@@ -323,8 +325,8 @@ NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check o
          "seed": "the codec's seed at gradsync.wrap", "plan hash": "the plan hash check",
          "probes": "the network probes at gradsync.wrap", "layer times": "the gather of the ranks' layer times",
          "trials": "the plan trials' result", "buffers": "the broadcast of rank 0's buffers after the backward pass",
-         "speed": "the compute-speed check (every 8 iterations)",
-         "choice check": "the check of auto's choice (every 16 iterations)",
+         "watchers": "the gradients' communication (op",
+         "watchers, buffers": "the broadcast of rank 0's buffers after the backward pass",
          "state_dict": "state_dict's gather of every rank's error feedback"}
 
 

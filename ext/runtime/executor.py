@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from ..agreement import waiting_for
 from ..compress import Codec
 from ..compress.gradients import checksum, decoded_may_overflow, every_element_finite
 from ..errors import ConfigError
@@ -358,7 +359,8 @@ class PlanExecutor:
             return
         if state.work is None:
             raise RuntimeError(f"op {index} was never launched: the backward pass has not ended")
-        with record_function(f"gradsync::wait {state.label}"):
+        with record_function(f"gradsync::wait {state.label}"), waiting_for(
+                f"the gradients' communication ({state.label} of the plan)", self.channels.timeout):
             state.work.wait()
         self.collected(index)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import torch.distributed as dist
+
 from ..agreement import check_same_on_all_ranks, waiting_for
 from ..compress import Codec
 from ..cost import CostModel
@@ -20,10 +22,11 @@ from ..planners import BoundPlanner
 from ..planning import LayoutPlan, StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
 from ..profile import ModelProfile
 from .channels import Channels
-from .compute_speed import ComputeSpeed, least_over_ranks, slowest_over_ranks
+from .compute_speed import ComputeSpeed
 from .executor import PlanExecutor
 from .measure.probes import release_freed_host_memory
 from .op_buffers import SharedOpBuffers
+from .over_ranks import StartReduction, reduction_over_ranks
 from .parameter_table import ParameterTable
 from .partition import Partition
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
@@ -66,7 +69,7 @@ class InstalledPlans:
         self.profile: ModelProfile | None = None
         self.cost: CostModel | None = None
         self.predictions: dict[tuple[str, ...], StepPrediction] = {}
-        self.speed = ComputeSpeed()
+        self.speed = self._compute_speed()
         self.measurement: Measurement | None = None
         self.rank_profiles: tuple[ModelProfile, ...] = ()  # each rank's measured profile (`profile` combines them)
         self.trials: TrialResult | None = None  # what auto's latest trials timed and kept (PlanTrials)
@@ -95,7 +98,7 @@ class InstalledPlans:
                                     "give every rank the same model, profile, cost and options",
                                     self.channels.process_group)
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
-        self.predictions, self.speed = {}, ComputeSpeed()
+        self.predictions, self.speed = {}, self._compute_speed()
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
                                                self.nonfinite, self.trace, self.partition, self.shared_buffers)
                           for layout, plan in plans.items()}
@@ -105,7 +108,8 @@ class InstalledPlans:
             for executor in self.executors.values():
                 executor.time_ops()
             layouts = [(layout, executor.wire_bytes()) for layout, executor in self.executors.items()]
-            self.cost_watch = CostWatch(cost, self.collective, layouts, self._least_over_ranks)
+            self.cost_watch = CostWatch(cost, self.collective, layouts, self._over_ranks(
+                dist.ReduceOp.MIN, "the cost watch's comparison of the communication's time (every 8 iterations)"))
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
@@ -133,7 +137,7 @@ class InstalledPlans:
             self._carry_out(self.measurement.iteration_done(done))
             return
         if self.speed.observe(done.stats.busy_time, predicted_busy):
-            self._follow_compute_speed()
+            self.predictions = {}
         if self.cost_watch is not None:
             refitted = self.cost_watch.observe(busy, done.stats.iteration_time)
             if refitted is not None:
@@ -179,15 +183,11 @@ class InstalledPlans:
         self.cost, self.watch = cost, None
         self._choose_plans(self.profile, incumbent=self.current)
 
-    def _least_over_ranks(self, values: list[float]) -> list[float]:
-        with waiting_for("the cost watch's comparison of the communication's time (every 8 iterations)",
-                         self.channels.timeout):
-            return least_over_ranks(values, self.channels.process_group, self.table.device)
+    def _over_ranks(self, op, what: str) -> StartReduction:
+        """Reductions of a watcher's numbers over the ranks (``runtime.over_ranks``), named `what`."""
+        return reduction_over_ranks(op, self.channels.process_group, self.table.device, what, self.channels.timeout)
 
-    def _follow_compute_speed(self) -> None:
-        """Rescale the predictions to the slowest rank's measured speed (a collective; every rank
-        reaches it at the same iteration)."""
-        with waiting_for("the compute-speed check (every 8 iterations)", self.channels.timeout):
-            ratio = slowest_over_ranks(self.speed.window_ratio(), self.channels.process_group, self.table.device)
-        if self.speed.rescale(ratio):
-            self.predictions = {}
+    def _compute_speed(self) -> ComputeSpeed:
+        """Rescales the predictions to the slowest rank's measured speed (every rank reaches the
+        same iterations)."""
+        return ComputeSpeed(start=self._over_ranks(dist.ReduceOp.MAX, "the compute-speed check (every 8 iterations)"))

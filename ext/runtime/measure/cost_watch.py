@@ -6,8 +6,9 @@ model re-fitted from those times when the network changes.
    the link or queue behind one another count once, so a link's rate shows in it whatever the
    plan's concurrency. It includes any wait for the last rank to launch an op; on that rank it is
    the transfers alone, so a window's time is the minimum over the ranks of its median over
-   `WINDOW` iterations (one all-reduce per window, made by every rank at the same iteration,
-   samples or none), per wire layout (a codec's layouts send different bytes).
+   `WINDOW` iterations (one all-reduce per window, started by every rank at the same iteration,
+   samples or none, and read at the next: ``runtime.over_ranks``), per wire layout (a codec's
+   layouts send different bytes).
 2. A plan sends the same bytes every iteration, so it is compared with itself: after each
    installation, the first `REFERENCE_WINDOWS` windows together (after one iteration to settle)
    give each layout its reference time. Beside the computation the ops take longer than the
@@ -28,11 +29,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
+from typing import Hashable, Sequence
 
 from ...cost import CostModel
+from ..over_ranks import PendingReduction, StartReduction
 
-WINDOW = 8  # iterations per comparison: one small all-reduce each
+WINDOW = 8  # iterations per comparison: one small all-reduce each, read at the next iteration
 REFERENCE_WINDOWS = 2  # the reference is timed over this many windows' iterations (one all-reduce)
 DRIFT = 1.5  # the communication this many times slower (or faster) than its reference...
 SIGNIFICANT = 0.10  # ...by at least this fraction of the iteration time...
@@ -81,16 +83,16 @@ class CostWatch:
         collective: their ops' collective (whose b of `cost` the change is added to).
         layouts: each wire layout of the installed plans with the bytes its ops send, in the same
             order on every rank.
-        combine: the minimum over the ranks of each of a list of numbers (a collective; the
-            identity on one rank).
+        start: starts the reduction of a list of numbers to the least of each over the ranks
+            (``over_ranks.reduction_over_ranks`` with MIN; ``over_ranks.on_this_rank`` alone).
     """
 
     def __init__(self, cost: CostModel, collective: str, layouts: list[tuple[Hashable, int]],
-                 combine: Callable[[list[float]], list[float]]):
+                 start: StartReduction):
         self.cost = cost
         self.b = cost.terms(collective)[1]
         self.layouts = layouts
-        self.combine = combine
+        self.least = PendingReduction(start)
         self.settling = True  # the first iteration after an installation
         self.times: dict[Hashable, list[float]] = {}  # each layout's busy times in the window under way
         self.iteration_times: list[float] = []
@@ -100,7 +102,8 @@ class CostWatch:
 
     def observe(self, busy: list[tuple[Hashable, float]], iteration_time: float) -> CostModel | None:
         """After a steady iteration: the re-fitted cost when the plans should be made again (on
-        every rank alike), else None.
+        every rank alike), else None. A window's times, reduced from the iteration that closes
+        it, are judged at the next one.
 
         Args:
             busy: the (layout, busy seconds) of the iterations timed since the last call.
@@ -109,15 +112,23 @@ class CostWatch:
         if self.settling:
             self.settling = False
             return None
+        refitted = self._window_over_ranks()
         for layout, seconds in busy:
             self.times.setdefault(layout, []).append(seconds)
         self.iteration_times.append(iteration_time)
-        if len(self.iteration_times) < WINDOW * (REFERENCE_WINDOWS if self.reference is None else 1):
+        if len(self.iteration_times) >= WINDOW * (REFERENCE_WINDOWS if self.reference is None else 1):
+            local = [statistics.median(self.times[layout]) if layout in self.times else math.inf
+                     for layout, _ in self.layouts]
+            self.least.start(local + [statistics.median(self.iteration_times)])
+            self.times, self.iteration_times = {}, []
+        return refitted
+
+    def _window_over_ranks(self) -> CostModel | None:
+        """The last window's times, the least over the ranks: the reference, or judged against it."""
+        least = self.least.take()
+        if least is None:
             return None
-        local = [statistics.median(self.times[layout]) if layout in self.times else math.inf
-                 for layout, _ in self.layouts]
-        *medians, iteration = self.combine(local + [statistics.median(self.iteration_times)])
-        self.times, self.iteration_times = {}, []
+        *medians, iteration = least
         if self.reference is None:
             self.reference = medians
             return None

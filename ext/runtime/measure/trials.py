@@ -45,7 +45,7 @@ from ...plan import ALLREDUCE
 from ...planning import Alternative, plan_alternatives
 from ...profile import ModelProfile
 from ..channels import Channels
-from ..compute_speed import slowest_over_ranks
+from ..over_ranks import PendingReduction, reduction_over_ranks
 from . import Install, IterationDone, Measurement, TrialsDone, median, now
 
 TRIAL_ITERATIONS = 2  # timed per visit of a plan, after one to settle; rounded up to whole codec cycles
@@ -274,8 +274,9 @@ class PlanTrials(Measurement):
 
 class ChoiceWatch:
     """Compares the kept plan's iteration times with its time in the trials, every `WATCH_WINDOW`
-    iterations (the slowest rank's window median): slower by more than `RETRIAL_DRIFT` in two
-    windows running, at least `RETRIAL_COOLDOWN` iterations after the trials, starts them again.
+    iterations (the slowest rank's window median, reduced from the iteration that closes the
+    window and read at the next: ``runtime.over_ranks``): slower by more than `RETRIAL_DRIFT` in
+    two windows running, at least `RETRIAL_COOLDOWN` iterations after the trials, starts them again.
 
     Args:
         trials: the trials that kept the plan (run again from the start).
@@ -288,19 +289,30 @@ class ChoiceWatch:
         self.window: list[float] = []
         self.seen = 0
         self.slow_windows = 0
+        channels = trials.channels
+        self.slowest = PendingReduction(reduction_over_ranks(
+            dist.ReduceOp.MAX, channels.process_group, trials.device,
+            "the check of auto's choice (every 16 iterations)", channels.timeout))
 
     def observe(self, done: IterationDone) -> PlanTrials | None:
         """After an iteration under the kept plan: the trials to run again, or None."""
         self.seen += 1
-        if done.skipped:
+        again = self._judge_window()
+        if again is not None:
+            return again
+        if not done.skipped:
+            self.window.append(done.stats.iteration_time)
+        if len(self.window) >= WATCH_WINDOW:
+            self.slowest.start([median(self.window)])
+            self.window = []
+        return None
+
+    def _judge_window(self) -> PlanTrials | None:
+        """The last window's slowest median against the trial time: the trials again, or None."""
+        slowest = self.slowest.take()
+        if slowest is None:
             return None
-        self.window.append(done.stats.iteration_time)
-        if len(self.window) < WATCH_WINDOW:
-            return None
-        channels = self.trials.channels
-        with waiting_for("the check of auto's choice (every 16 iterations)", channels.timeout):
-            slowest = slowest_over_ranks(median(self.window), channels.process_group, self.trials.device)
-        self.window = []
+        slowest, channels = slowest[0], self.trials.channels
         self.slow_windows = self.slow_windows + 1 if slowest > self.seconds * (1 + RETRIAL_DRIFT) else 0
         if self.slow_windows >= 2 and self.seen >= RETRIAL_COOLDOWN:
             if channels.rank == 0:
