@@ -74,20 +74,28 @@ def timed_as(wire: ModelProfile, profile: ModelProfile | None) -> ModelProfile:
     return ModelProfile(wire.name, layers, dict(wire.metadata))
 
 
-def replay(stored: dict) -> list[tuple[str, str, float, float, float]]:
-    """(setting, row, measured, stored prediction, prediction now) of every replayable row."""
+def replay(stored: dict, slowdowns: tuple[float, float] | None = None) -> list[tuple[str, str, float, float, float]]:
+    """(setting, row, measured, stored prediction, prediction now) of every replayable row; with
+    `slowdowns` (σ, τ) in place of the fitted ones, e.g. (1, 1) for a computation that leaves the
+    core to the transfers."""
     rows = []
     for setting, entries in stored.items():
         for label, row in entries.items():
-            rows.append((setting, label, row["seconds"], row["predicted"], replayed_prediction(row["replay"])))
+            record = row["replay"]
+            if slowdowns is not None:
+                cost = {**record["cost"], "compute_slowdown": slowdowns[0], "transfer_slowdown": slowdowns[1]}
+                record = {**record, "cost": cost}
+            rows.append((setting, label, row["seconds"], row["predicted"], replayed_prediction(record)))
     return rows
 
 
 def main(argv=None) -> None:
     cli = argparse.ArgumentParser(prog="python -m benchmarks.simulator_replay", description=__doc__.splitlines()[0])
     cli.add_argument("record", type=Path, nargs="?", default=DEFAULT_RECORD, help="a head-to-head JSON file")
+    cli.add_argument("--slowdowns", type=float, nargs=2, metavar=("SIGMA", "TAU"),
+                     help="predict with these slowdowns instead of the fitted ones")
     args = cli.parse_args(argv)
-    rows = replay(json.loads(args.record.read_text()))
+    rows = replay(json.loads(args.record.read_text()), args.slowdowns)
     if not rows:
         raise SystemExit(f"simulator_replay: no gradsync row to replay in {args.record}")
     print("| setting | row | measured ms | stored prediction (error) | prediction now (error) |")

@@ -44,6 +44,20 @@ def test_replay_lists_every_row_and_prints_both_errors(tmp_path, capsys):
     assert "median |error| stored: 25.0% over 1 rows" in output and "median |error| now: 50.0% over 1 rows" in output
 
 
+def test_replay_with_other_slowdowns_predicts_as_a_record_made_with_them(tmp_path, capsys):
+    slowed = CostModel(a=1e-3, b=8e-9, host=2e-4, compute_slowdown=1.6, transfer_slowdown=1.8)
+    record, slowed_seconds = stored_row(None, slowed)
+    _, unslowed_seconds = stored_row(None, CostModel(a=1e-3, b=8e-9, host=2e-4))  # the same plan: mg_wfbp
+    stored = {"setting": {"gradsync mg_wfbp": {"seconds": unslowed_seconds, "predicted": slowed_seconds,
+                                               "replay": record}}}
+    assert replay(stored)[0][4] == pytest.approx(slowed_seconds)
+    assert replay(stored, (1.0, 1.0))[0][4] == pytest.approx(unslowed_seconds) != pytest.approx(slowed_seconds)
+    path = tmp_path / "head_to_head.json"
+    path.write_text(json.dumps(stored))
+    main([str(path), "--slowdowns", "1", "1"])
+    assert "median |error| now: 0.0% over 1 rows" in capsys.readouterr().out
+
+
 def test_replay_gives_the_median_error_per_number_of_ranks(tmp_path, capsys):
     record, seconds = stored_row(None, CostModel(a=1e-3, b=8e-9))
     stored = {f"CNN (small tensors), {ranks} ranks, 1gbit": {
