@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 # and never removes it; the DeepSpeed jobs here each take a new port
 DEEPSPEED_BUFFERS = Path("/dev/shm")
 DEEPSPEED_BUFFER_PREFIX = "deepspeed_allreduce_buffer_"
+# DeepSpeed's CPU communication compiles its shared-memory op at a job's start, under a lock file in
+# torch's extensions folder (shared by every checkout by default, each rebuilding it for its own
+# sources); a build killed midway leaves the lock behind and every later job waits on it. Each
+# virtual environment builds into its own folder.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 def deepspeed_buffers() -> set[Path]:
