@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
 import gradsync
-from gradsync.emulated import DeviceWork, EmulatedModel
+from gradsync.emulated import EmulatedModel
 from gradsync.launch import RankFailed
 from gradsync.profile.model_zoo import zoo
 from gradsync.runtime import attached
@@ -333,13 +333,11 @@ COST_REPEATS = 15
 
 def shared_cost(model: nn.Module):
     """The cost (a, b, γ, slowdowns, host time per op) fitted once on this job's network, as
-    gradsync.wrap would fit it but from more repeats of each probe; every gradsync row plans with it.
-    Beside an emulated model's ops the probes' computation waits off the core, as its layers do."""
+    gradsync.wrap would fit it but from more repeats of each probe; every gradsync row plans with it."""
     channels = Channels(2)
     try:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        work = DeviceWork() if isinstance(model, EmulatedModel) else None
-        return measure_cost(channels, gradient_bytes, repeats=COST_REPEATS, work=work)
+        return measure_cost(channels, gradient_bytes, repeats=COST_REPEATS)
     finally:
         channels.destroy()
 

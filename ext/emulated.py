@@ -44,27 +44,6 @@ class DeviceClock:
             time.sleep(self.deadline - now)
 
 
-class DeviceWork:
-    """The cost probes' computation on an emulated accelerator: waits that leave the core free, as
-    the model's layers take, so that the slowdowns the probes fit are those of this computation
-    (``measure_cost(..., work=DeviceWork())``); matrix products would occupy the core and slow the
-    transfers beside them, which the emulated layers do not."""
-
-    SLICE = 0.001  # seconds per unit of work
-
-    device = torch.device("cpu")
-
-    def run(self, count: int) -> float:
-        """Seconds that `count` slices took."""
-        started = time.perf_counter()
-        time.sleep(count * self.SLICE)
-        return time.perf_counter() - started
-
-    def count_for(self, seconds: float) -> int:
-        """Slices in about `seconds`."""
-        return max(1, math.ceil(seconds / self.SLICE))
-
-
 def scaled_shape(shape: tuple[int, ...], scale: float) -> tuple[int, ...]:
     """`shape` with about `scale` times the elements: a vector's length scaled, a matrix's (or a
     convolution's) first two dimensions each by √scale, so it stays a matrix of the same aspect."""

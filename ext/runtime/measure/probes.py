@@ -24,7 +24,7 @@ LARGEST_PROBE_BYTES = 16 << 20  # b is resolved at 4 MiB already; the probes' me
 
 
 def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
-                 repeats: int = 5, collective: str = ALLREDUCE, work: ProbeWork | None = None) -> CostModel:
+                 repeats: int = 5, collective: str = ALLREDUCE) -> CostModel:
     """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1,
     and for `collective` ``reduce_scatter`` its own a + b·bytes from timed reduce-scatters (each
     rank receiving an equal part); then the slowdowns, the host time per op and how many ops a
@@ -42,8 +42,6 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
         dtype, device: of the probes' buffers (the gradients').
         repeats: timed runs per size.
         collective: the plans' ops' (``planning.plan_layouts``).
-        work: the computation the slowdown and host probes run beside the ops (default: matrix
-            products on `device`; an emulated accelerator's waits: ``gradsync.emulated.DeviceWork``).
     """
     element = torch.tensor([], dtype=dtype).element_size()
     largest = max(4 << 20, min(int(largest_bytes), LARGEST_PROBE_BYTES))
@@ -85,8 +83,8 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     if scatter_times:
         fitted = fitted.with_reduce_scatter_fit(byte_sizes, measured[len(sizes) + len(pair_sizes):], clamp=True)
     slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
-                     **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
-    return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
+                     **measure_slowdowns(channels, fitted, dtype, device, repeats))
+    return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))
 
 
 def release_freed_host_memory() -> None:
@@ -104,7 +102,6 @@ class ProbeWork:
 
     def __init__(self, dtype, device):
         self.matrix = torch.ones(128, 128, dtype=dtype, device=device)
-        self.device = self.matrix.device
         self.run(4)
         self.per_product = median([self.run(8) / 8 for _ in range(3)])
 
@@ -131,17 +128,17 @@ MAX_SLOWDOWN = 20.0
 
 
 def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu",
-                      repeats: int = 5, work: ProbeWork | None = None) -> dict[str, float]:
+                      repeats: int = 5) -> dict[str, float]:
     """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 40 ms of computation
     (matrix products) and an all-reduce on channel 0 that outlasts it (three times as long by
     `cost`, at most 64 MiB) timed alone and then together (`slowdowns_of`); each the median over
     `repeats` such triples and then over the ranks; at least 1.
 
     Args:
-        channels, dtype, device, repeats, work: as ``measure_cost``.
+        channels, dtype, device, repeats: as ``measure_cost``.
         cost: the fitted a and b (they size the all-reduce).
     """
-    work = work or ProbeWork(dtype, device)
+    work = ProbeWork(dtype, device)
     count = work.count_for(SLOWDOWN_PROBE_SECONDS)
     element = torch.tensor([], dtype=dtype).element_size()
     nbytes = min(64 << 20, max(4096, (3 * SLOWDOWN_PROBE_SECONDS - cost.a) / cost.b))
@@ -150,12 +147,12 @@ def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, 
     def timed(compute: bool, transfer: bool) -> tuple[float, float]:
         """(computation seconds, all-reduce seconds)."""
         dist.barrier(group=channels.process_group)
-        started = now(work.device)
+        started = now(work.matrix.device)
         handle = channels.all_reduce(0, buffer) if transfer else None
         computed = work.run(count) if compute else 0.0
         if handle is not None:
             handle.wait()
-        return computed, now(work.device) - started
+        return computed, now(work.matrix.device) - started
 
     timed(True, True)  # warm-up
     compute, transfer = [], []
@@ -188,7 +185,7 @@ HOST_PROBE_OPS = 16
 
 
 def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu", repeats: int = 5,
-                 ops: int = HOST_PROBE_OPS, work: ProbeWork | None = None) -> float:
+                 ops: int = HOST_PROBE_OPS) -> float:
     """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
     products, each about twice `cost.a`, so that an op is mostly done before the next
     launches) timed alone and then with one single-element op launched through a PlanExecutor
@@ -199,7 +196,7 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
     simulator's slowdown σ (charged while ops transmit) takes no share of the difference.
 
     Args:
-        channels, dtype, device, repeats, work: as ``measure_cost``.
+        channels, dtype, device, repeats: as ``measure_cost``.
         cost: the fitted a (it sizes the slices).
         ops: ops launched per timed run.
     """
@@ -210,18 +207,18 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
         parameters[name].grad = torch.ones_like(parameters[name])
     plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
     executor = PlanExecutor(plan, parameters, channels)
-    work = work or ProbeWork(dtype, device)
+    work = ProbeWork(dtype, device)
     count = work.count_for(2 * cost.a)
 
     def timed(launch: bool) -> float:
         executor.start_iteration(0)
         dist.barrier(group=channels.process_group)
-        started = now(work.device)
+        started = now(work.matrix.device)
         for name in names:
             work.run(count)
             if launch:
                 executor.mark_ready(name)
-        elapsed = now(work.device) - started
+        elapsed = now(work.matrix.device) - started
         if launch:
             executor.wait_all()
         return elapsed
