@@ -1,10 +1,10 @@
 """Numbers combined over the ranks without stopping training.
 
 The runtime's watchers (the computation's speed, the cost watch, auto's choice watch) each compare
-a window of iterations over the ranks. A blocking all-reduce at the end of each window would make
-every rank wait for a round trip on the network, and for the slowest rank, once per window and per
-watcher: on 2 ranks over 10 Gbit/s about 1.5 ms each time, near 1% of a 64 ms iteration when three
-watchers each reduce once per 8 or 16 iterations. Instead the reduction is started asynchronously
+a window of iterations over the ranks. A blocking all-reduce at the end of each window makes every
+rank wait for a round trip on the network, and for the slowest rank, once per window and per
+watcher: on 2 ranks over 10 Gbit/s that cost 2% of the mean iteration time (``benchmarks.overhead
+--rate 10gbit``, torch DDP's buckets against torch DDP). Instead the reduction is started asynchronously
 at the iteration that closes the window and read at the next one, by when it has completed behind
 that iteration's computation. Every rank starts and reads at the same iterations, so every rank
 still decides alike, one iteration after the window. A reduction that is replaced before it is read
