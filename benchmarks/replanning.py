@@ -31,7 +31,7 @@ import gradsync
 from gradsync.runtime import attached
 
 from .head_to_head import EMULATED_MODELS, EMULATED_SIZE_SCALE, LEARNING_RATE, RESULTS, WORKLOADS
-from .netbed import NetbedUnavailable, launch, netbed, rate_commands, uniform
+from .netbed import NetbedUnavailable, NetSpec, launch, netbed, rate_commands, uniform
 from .netbed.bed import run_commands
 
 WITHIN = 0.05  # the target: within 5% of a fresh run at the new rate...
@@ -39,9 +39,9 @@ SETTLE_TARGET = 50  # ...within this many iterations of the change
 SMOOTHING = 5  # iterations in the running median compared with the fresh run
 
 
-def set_rate(hosts: int, gbps: float) -> None:
-    """Every host's link at `gbps`, from inside a rank's namespace (as root)."""
-    run_commands(rate_commands(hosts, gbps))
+def set_rate(spec: NetSpec, gbps: float) -> None:
+    """Every host's link of the cluster built from `spec` at `gbps`, from inside a rank's namespace (as root)."""
+    run_commands(rate_commands(spec, gbps))
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
@@ -61,7 +61,7 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
         if step in changes:
             torch.distributed.barrier()
             if rank == 0:
-                set_rate(world_size, changes[step])
+                set_rate(uniform(world_size, job["start_gbps"]), changes[step])
             torch.distributed.barrier()
         started = time.perf_counter()
         optimizer.zero_grad()
@@ -97,7 +97,8 @@ def slowest_rank(ranks: list[dict]) -> list[float]:
 
 
 def run_job(args, scheduler: str, start_gbps: float, steps: int, rates: dict[int, float]) -> list[dict]:
-    job = {"model": args.model, "scheduler": scheduler, "steps": steps, "rates": {str(k): v for k, v in rates.items()}}
+    job = {"model": args.model, "scheduler": scheduler, "steps": steps, "start_gbps": start_gbps,
+           "rates": {str(k): v for k, v in rates.items()}}
     with netbed(uniform(2, start_gbps)):
         return launch("benchmarks.replanning:rank_main", 2, job, timeout=args.timeout)
 

@@ -55,7 +55,7 @@ def test_topology_workers_map_to_hosts_in_order():
 
 
 # -- commands ----------------------------------------------------------------------------------------
-def host_zero_commands():
+def host_zero_commands(segment: int):
     return [
         ["ip", "netns", "add", "gsnet-0"],
         ["ip", "netns", "exec", "gsnet-0", "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
@@ -63,6 +63,7 @@ def host_zero_commands():
         ["ip", "link", "add", "gsnet-0-br", "type", "veth", "peer", "name", "gsnet-0-ns", "netns", "gsnet-0"],
         ["ip", "link", "set", "gsnet-0-br", "master", "gsnet-br", "up"],
         ["ip", "-n", "gsnet-0", "addr", "add", "192.0.2.1/24", "dev", "gsnet-0-ns"],
+        ["ip", "-n", "gsnet-0", "link", "set", "gsnet-0-ns", "gso_max_size", str(segment)],
         ["ip", "-n", "gsnet-0", "link", "set", "gsnet-0-ns", "up"],
         ["ip", "-n", "gsnet-0", "link", "set", "lo", "up"],
     ]
@@ -72,18 +73,19 @@ def test_uniform_setup_shapes_both_directions_of_every_host():
     commands = setup_commands(uniform(2, "1gbit"))
     assert commands[:2] == [["ip", "link", "add", "gsnet-br", "type", "bridge"],
                             ["ip", "link", "set", "gsnet-br", "arp", "off", "up"]]
-    # 1 Gbit/s: 1 ms at the rate is 125 000 bytes, below the 128 KiB floor
-    tbf = ["tbf", "rate", "1000000kbit", "burst", "131072", "latency", "20ms"]
-    assert commands[2:11] == host_zero_commands() + [
+    # 1 Gbit/s: packets of half a millisecond at the rate, a bucket of one millisecond
+    tbf = ["tbf", "rate", "1000000kbit", "burst", "125000", "latency", "20ms"]
+    assert commands[2:12] == host_zero_commands(62500) + [
         ["tc", "-n", "gsnet-0", "qdisc", "add", "dev", "gsnet-0-ns", "root", *tbf],
         ["tc", "qdisc", "add", "dev", "gsnet-0-br", "root", *tbf]]
     assert ["ip", "-n", "gsnet-1", "addr", "add", "192.0.2.2/24", "dev", "gsnet-1-ns"] in commands
-    assert len(commands) == 2 + 2 * 9
+    assert len(commands) == 2 + 2 * 10
 
 
 def test_rate_commands_replace_every_hosts_shaping_from_any_namespace():
-    commands = rate_commands(2, 0.25)
-    tbf = ["tbf", "rate", "250000kbit", "burst", "131072", "latency", "20ms"]
+    # built at 1 Gbit/s: the hosts' connections keep packets of 62 500 bytes, and the bucket two of them
+    commands = rate_commands(uniform(2, 1.0), 0.25)
+    tbf = ["tbf", "rate", "250000kbit", "burst", "125000", "latency", "20ms"]
     assert commands == [["tc", "-n", "gsnet-0", "qdisc", "replace", "dev", "gsnet-0-ns", "root", *tbf],
                         ["tc", "-n", "gsnet-root", "qdisc", "replace", "dev", "gsnet-0-br", "root", *tbf],
                         ["tc", "-n", "gsnet-1", "qdisc", "replace", "dev", "gsnet-1-ns", "root", *tbf],
@@ -94,8 +96,16 @@ def test_rate_commands_replace_every_hosts_shaping_from_any_namespace():
 
 
 def test_fast_links_get_a_millisecond_of_burst():
-    command = setup_commands(uniform(2, "10gbit"))[9]
-    assert command[-6:] == ["rate", "10000000kbit", "burst", "1250000", "latency", "20ms"]
+    commands = setup_commands(uniform(2, "10gbit"))
+    assert commands[7][-2:] == ["gso_max_size", "65536"]
+    assert commands[10][-6:] == ["rate", "10000000kbit", "burst", "1250000", "latency", "20ms"]
+
+
+def test_slow_links_send_small_packets_so_a_pause_buys_no_burst():
+    # 31.25 Mbit/s: 64 KiB packets would need a 128 KiB bucket, 34 ms of traffic sent at once after a pause
+    commands = setup_commands(uniform(2, 0.03125))
+    assert commands[7][-2:] == ["gso_max_size", "4096"]
+    assert commands[10][-6:] == ["rate", "31250kbit", "burst", "8192", "latency", "20ms"]
 
 
 def test_pair_setup_has_a_class_and_filter_per_destination():
@@ -109,7 +119,7 @@ def test_pair_setup_has_a_class_and_filter_per_destination():
     assert host_one == [
         [*tc, "qdisc", "add", "dev", "gsnet-1-ns", "root", "handle", "1:", "htb", "default", "1"],
         [*tc, "class", "add", "dev", "gsnet-1-ns", "parent", "1:", "classid", "1:1", *htb("2000000kbit", "250000")],
-        [*tc, "class", "add", "dev", "gsnet-1-ns", "parent", "1:", "classid", "1:10", *htb("1000000kbit", "131072")],
+        [*tc, "class", "add", "dev", "gsnet-1-ns", "parent", "1:", "classid", "1:10", *htb("1000000kbit", "125000")],
         [*tc, "filter", "add", "dev", "gsnet-1-ns", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
          "match", "ip", "dst", "192.0.2.1/32", "flowid", "1:10"],
         [*tc, "class", "add", "dev", "gsnet-1-ns", "parent", "1:", "classid", "1:12", *htb("2000000kbit", "250000")],

@@ -1,7 +1,8 @@
 """The `ip` and `tc` commands that build and remove an emulated cluster (pure functions: no I/O).
 
 Setup per host: a namespace (IPv6 off, so gloo binds the IPv4 address), a veth pair created with
-its inner end already in the namespace, the outer end on the bridge, the address, then shaping.
+its inner end already in the namespace, the outer end on the bridge, the address, the largest
+packet the host sends (`NetSpec.segment_bytes`), then shaping.
 Uniform spec: `tbf` on the inner end (the host's sending) and on the bridge port (its receiving).
 Pair spec: `htb` on the inner end with one class per destination, chosen by a u32 filter on the
 destination address; unmatched traffic (ARP) takes a default class at the host's fastest rate.
@@ -22,12 +23,12 @@ def setup_commands(spec: NetSpec) -> list[Command]:
     # in 192.0.2.0/24 itself, and would claim it for the bridge's MAC)
     commands = [["ip", "link", "add", BRIDGE, "type", "bridge"], ["ip", "link", "set", BRIDGE, "arp", "off", "up"]]
     for host in range(spec.hosts):
-        commands += host_commands(host)
+        commands += host_commands(host, spec.segment_bytes)
         commands += shaping_commands(spec, host)
     return commands
 
 
-def host_commands(host: int) -> list[Command]:
+def host_commands(host: int, segment: int) -> list[Command]:
     ns, inner, port = namespace(host), inner_interface(host), bridge_port(host)
     return [
         ["ip", "netns", "add", ns],
@@ -36,6 +37,7 @@ def host_commands(host: int) -> list[Command]:
         ["ip", "link", "add", port, "type", "veth", "peer", "name", inner, "netns", ns],
         ["ip", "link", "set", port, "master", BRIDGE, "up"],
         ["ip", "-n", ns, "addr", "add", f"{address(host)}/24", "dev", inner],
+        ["ip", "-n", ns, "link", "set", inner, "gso_max_size", str(segment)],
         ["ip", "-n", ns, "link", "set", inner, "up"],
         ["ip", "-n", ns, "link", "set", "lo", "up"],
     ]
@@ -43,15 +45,16 @@ def host_commands(host: int) -> list[Command]:
 
 def shaping_commands(spec: NetSpec, host: int) -> list[Command]:
     if spec.heterogeneous:
-        return pair_shaping(spec.pair_gbps[host], host)
-    return uniform_shaping(host, spec.gbps, "add")
+        return pair_shaping(spec.pair_gbps[host], host, spec.segment_bytes)
+    return uniform_shaping(host, spec.gbps, spec.segment_bytes, "add")
 
 
-def uniform_shaping(host: int, gbps: float, verb: str, root: Command = ("tc",)) -> list[Command]:
+def uniform_shaping(host: int, gbps: float, segment: int, verb: str, root: Command = ("tc",)) -> list[Command]:
     """`tbf` at `gbps` on the host's sending (inner end) and receiving (bridge port, reached by
-    `root`), by tc's `verb`."""
-    return [["tc", "-n", namespace(host), "qdisc", verb, "dev", inner_interface(host), "root", *tbf(gbps)],
-            [*root, "qdisc", verb, "dev", bridge_port(host), "root", *tbf(gbps)]]
+    `root`), by tc's `verb`, for packets of at most `segment` bytes."""
+    shaper = tbf(gbps, segment)
+    return [["tc", "-n", namespace(host), "qdisc", verb, "dev", inner_interface(host), "root", *shaper],
+            [*root, "qdisc", verb, "dev", bridge_port(host), "root", *shaper]]
 
 
 def root_handle_command(pid: int) -> Command:
@@ -60,29 +63,31 @@ def root_handle_command(pid: int) -> Command:
     return ["ip", "netns", "attach", ROOT_HANDLE, str(pid)]
 
 
-def rate_commands(hosts: int, gbps: float) -> list[Command]:
-    """The commands that set every link of a running uniform cluster of `hosts` to `gbps`, from
-    any namespace (a rank's included): a network whose rate changes under a job."""
-    return [command for host in range(hosts)
-            for command in uniform_shaping(host, gbps, "replace", root=["tc", "-n", ROOT_HANDLE])]
+def rate_commands(spec: NetSpec, gbps: float) -> list[Command]:
+    """The commands that set every link of a running uniform cluster, built from `spec`, to
+    `gbps`, from any namespace (a rank's included): a network whose rate changes under a job. The
+    hosts' packets keep the size `spec` gave them."""
+    return [command for host in range(spec.hosts)
+            for command in uniform_shaping(host, gbps, spec.segment_bytes, "replace", root=["tc", "-n", ROOT_HANDLE])]
 
 
-def tbf(gbps: float) -> Command:
-    return ["tbf", "rate", kbit(gbps), "burst", str(burst_bytes(gbps)), "latency", f"{QUEUE_LATENCY_MS}ms"]
+def tbf(gbps: float, segment: int) -> Command:
+    return ["tbf", "rate", kbit(gbps), "burst", str(burst_bytes(gbps, segment)), "latency", f"{QUEUE_LATENCY_MS}ms"]
 
 
-def pair_shaping(rates: tuple[float, ...], host: int) -> list[Command]:
+def pair_shaping(rates: tuple[float, ...], host: int, segment: int) -> list[Command]:
     """An htb class per destination j at `rates[j]` (rate = ceil: no borrowing), filtered on j's address."""
     ns, device = namespace(host), inner_interface(host)
     tc = ["tc", "-n", ns]
     fastest = max(rate for j, rate in enumerate(rates) if j != host)
+    default_class = f"1:{DEFAULT_CLASS}"
     commands = [[*tc, "qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", str(DEFAULT_CLASS)],
-                [*tc, "class", "add", "dev", device, "parent", "1:", "classid", f"1:{DEFAULT_CLASS}", *htb(fastest)]]
+                [*tc, "class", "add", "dev", device, "parent", "1:", "classid", default_class, *htb(fastest, segment)]]
     for destination, rate in enumerate(rates):
         if destination == host:
             continue
         classid = f"1:{destination_class(destination)}"
-        commands += [[*tc, "class", "add", "dev", device, "parent", "1:", "classid", classid, *htb(rate)],
+        commands += [[*tc, "class", "add", "dev", device, "parent", "1:", "classid", classid, *htb(rate, segment)],
                      [*tc, "filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                       "match", "ip", "dst", f"{address(destination)}/32", "flowid", classid]]
     return commands
@@ -93,8 +98,8 @@ def destination_class(destination: int) -> int:
     return 10 + destination
 
 
-def htb(gbps: float) -> Command:
-    burst = str(burst_bytes(gbps))
+def htb(gbps: float, segment: int) -> Command:
+    burst = str(burst_bytes(gbps, segment))
     return ["htb", "rate", kbit(gbps), "ceil", kbit(gbps), "burst", burst, "cburst", burst,
             "quantum", str(HTB_QUANTUM)]
 

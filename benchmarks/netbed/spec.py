@@ -57,10 +57,27 @@ def kbit(gbps: float) -> str:
     return f"{round(gbps * 1e6)}kbit"
 
 
-def burst_bytes(gbps: float) -> int:
+MIN_SEGMENT_BYTES = 4096  # two full-size TCP segments at a 1500-byte MTU
+MAX_SEGMENT_BYTES = 65536  # TCP's largest segmentation offload
+
+
+def millisecond_bytes(gbps: float) -> int:
+    return round(gbps * 1e9 / 8 * 1e-3)
+
+
+def segment_bytes(gbps: float) -> int:
+    """The largest packet a host hands its link (its interface's ``gso_max_size``): half a
+    millisecond at `gbps`, from 4 KiB to 64 KiB. Unlimited, TCP hands the link 64 KiB packets and
+    the token bucket must hold two of them: at 31 Mbit/s that is 34 ms of traffic, sent at once
+    after every pause (an 8-rank all-reduce of 200 KB ran in 65 ms after a pause, 94 ms back to back)."""
+    return min(MAX_SEGMENT_BYTES, max(MIN_SEGMENT_BYTES, millisecond_bytes(gbps) // 2))
+
+
+def burst_bytes(gbps: float, segment: int) -> int:
     """Token-bucket depth: one millisecond at the rate (so the kernel timer can keep the rate up),
-    and at least two 64 KiB segmentation-offload packets (smaller would split every such packet)."""
-    return max(128 * 1024, round(gbps * 1e9 / 8 * 1e-3))
+    and at least two of the host's largest packets (`segment` bytes; a smaller bucket would split
+    or hold back every such packet)."""
+    return max(millisecond_bytes(gbps), 2 * segment)
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,14 @@ class NetSpec:
     @property
     def heterogeneous(self) -> bool:
         return self.pair_gbps is not None
+
+    @property
+    def segment_bytes(self) -> int:
+        """Every host's largest packet, for the slowest link: set when the cluster is built, it
+        stays for the connections made on it when the rates change later (``rate_commands``)."""
+        if not self.heterogeneous:
+            return segment_bytes(self.gbps)
+        return segment_bytes(min(rate for i, row in enumerate(self.pair_gbps) for j, rate in enumerate(row) if i != j))
 
     def describe(self) -> str:
         if not self.heterogeneous:
