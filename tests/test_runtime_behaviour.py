@@ -249,9 +249,11 @@ class FakeTransfer:
         self.thread.join()
 
 
-def slowdowns_beside(rank, world_size, kind):
+def slowdowns_beside(rank, world_size, kind, emulated_device: bool = False):
     """measure_slowdowns with the all-reduce replaced by a FakeTransfer three times as long as the
-    probe's computation, as the real one."""
+    probe's computation, as the real one; the computation an emulated accelerator's waits (which
+    leave the core and the interpreter free) where `emulated_device`."""
+    from gradsync.emulated import DeviceWork
     from gradsync.runtime.channels import Channels
     from gradsync.runtime.measure.probes import SLOWDOWN_PROBE_SECONDS, measure_slowdowns
 
@@ -265,7 +267,7 @@ def slowdowns_beside(rank, world_size, kind):
     channels.all_reduce = lambda channel, tensor: FakeTransfer(sleep=transfer_seconds if kind == "idle" else 0.0,
                                                                loops=loops)
     try:
-        return measure_slowdowns(channels, CostModel(1e-3, 1e-9))
+        return measure_slowdowns(channels, CostModel(1e-3, 1e-9), work=DeviceWork() if emulated_device else None)
     finally:
         channels.destroy()
 
@@ -277,6 +279,11 @@ def test_slowdowns_are_measured_from_computation_and_transfer_alone_and_together
     busy = run_local(slowdowns_beside, 2, "busy")[0]
     assert idle["compute_slowdown"] < 1.3 and idle["transfer_slowdown"] < 1.3  # a transfer that only waits
     assert busy["compute_slowdown"] > 1.5  # one that takes the interpreter from the computation
+    # beside an emulated accelerator's computation, which waits off the core, that transfer runs
+    # at its own pace and leaves the waits on time
+    beside_device = min((run_local(slowdowns_beside, 2, "busy", True)[0] for _ in range(2)),
+                        key=lambda run: run["transfer_slowdown"])
+    assert beside_device["compute_slowdown"] < 1.3 and beside_device["transfer_slowdown"] < 1.3
 
 
 def test_slowdowns_of_one_probe():
@@ -287,6 +294,40 @@ def test_slowdowns_of_one_probe():
     assert slowdowns_of(0.010, 0.030, 0.015, 0.035) == pytest.approx((1.5, 1.5))
     assert slowdowns_of(0.010, 0.030, 0.010, 0.030) == pytest.approx((1.0, 1.0))
     assert slowdowns_of(0.010, 0.030, 0.010, 0.045)[1] == 20.0  # no progress beside it: capped
+
+
+def probe_sweep(largest_bytes: int, seconds) -> list[int]:
+    """The sizes measure_cost times for a model of `largest_bytes`, each taking `seconds(size)`."""
+    from gradsync.runtime.measure.probes import SMALLEST_PROBE_BYTES, next_probe_size
+
+    sizes, times = [SMALLEST_PROBE_BYTES], []
+    while True:
+        times.append(seconds(sizes[-1]))
+        following = next_probe_size(sizes, times, largest_bytes)
+        if following is None:
+            return sizes
+        sizes.append(following)
+
+
+def test_the_cost_probes_stop_at_the_plans_largest_op_once_b_is_resolved():
+    from gradsync.cost import CostModel
+    from gradsync.runtime.measure.probes import LARGEST_PROBE_BYTES
+
+    def slow_link(size):  # a = 20 ms, b = 0.5 µs/byte, and 30% more per byte past 1 MiB
+        return 0.020 + 5e-7 * size + 1.5e-7 * max(0, size - (1 << 20))
+
+    # a model of 0.7 MB: its gradients already take 18 times the smallest probe's time
+    sizes = probe_sweep(700_000, slow_link)
+    assert sizes == [4096, 16384, 65536, 262144, 700_000]
+    fitted = CostModel.fit(sizes, [slow_link(s) for s in sizes], clamp=True)
+    assert (fitted.a, fitted.b) == pytest.approx((0.020, 5e-7))
+    # the sweep to 4 MiB that every model used to get: the bend past its ops takes a to its floor
+    swept = [4096 << 2 * i for i in range(6)]
+    assert CostModel.fit(swept, [slow_link(s) for s in swept], clamp=True).a < 0.002
+    # a tiny model on a fast link goes on until b is resolved, never past the cap
+    assert probe_sweep(10_000, lambda size: 50e-6 + size / 1e9) == [4096, 10_000, 40_000, 160_000, 640_000]
+    assert probe_sweep(10_000, lambda size: 50e-6)[-1] == LARGEST_PROBE_BYTES
+    assert probe_sweep(100 << 20, slow_link)[-1] == LARGEST_PROBE_BYTES
 
 
 def test_host_time_of_the_timed_plan_leaves_the_profile_in_proportion():

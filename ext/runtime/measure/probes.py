@@ -20,21 +20,25 @@ from ..executor import PlanExecutor
 from . import median, now
 
 
-LARGEST_PROBE_BYTES = 16 << 20  # b is resolved at 4 MiB already; the probes' memory is the model's peak's
+SMALLEST_PROBE_BYTES = 4096
+LARGEST_PROBE_BYTES = 16 << 20  # the probes' memory is the model's peak's
+RESOLVED = 8  # b is resolved by a size that takes this many times the smallest one's time
 
 
 def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, device="cpu",
-                 repeats: int = 5, collective: str = ALLREDUCE) -> CostModel:
+                 repeats: int = 5, collective: str = ALLREDUCE, work: ProbeWork | None = None) -> CostModel:
     """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1,
     and for `collective` ``reduce_scatter`` its own a + b·bytes from timed reduce-scatters (each
     rank receiving an equal part); then the slowdowns, the host time per op and how many ops a
     channel runs at once.
 
-    Sizes run from 4 KiB to the model's gradient bytes (at least 4 MiB, so that b is resolvable;
-    at most LARGEST_PROBE_BYTES), each a prefix of one buffer (the pair's second op has its own):
-    the probes run at wrap time, beside the model and its optimizer, and must not set the job's
-    peak memory. Each size's time is the median of `repeats` runs, maximised over ranks (the
-    slowest rank is the one the others wait for).
+    Sizes run from 4 KiB by factors of 4 to the model's gradient bytes, the largest op a plan can
+    send, and on until one takes `RESOLVED` times the smallest one's time (so that b is resolved);
+    never beyond LARGEST_PROBE_BYTES: the probes run at wrap time, beside the model and its
+    optimizer, and must not set the job's peak memory. Sizes past the plans' ops would weigh most
+    in the least-squares fit, and where the time bends there (on a slow link, 4 MiB for a model of
+    0.7 MB) they took a to zero. Each size's time is the median of `repeats` runs, maximised over
+    ranks (the slowest rank is the one the others wait for; every rank then stops at the same size).
 
     Args:
         channels: the job's channels (a collective over their process group).
@@ -42,49 +46,72 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
         dtype, device: of the probes' buffers (the gradients').
         repeats: timed runs per size.
         collective: the plans' ops' (``planning.plan_layouts``).
+        work: the computation the slowdown and host probes run beside the ops (default: matrix
+            products on `device`; a model whose computation leaves the host's cores carries its own
+            as `probe_work`, as ``gradsync.emulated.EmulatedModel`` does).
     """
     element = torch.tensor([], dtype=dtype).element_size()
-    largest = max(4 << 20, min(int(largest_bytes), LARGEST_PROBE_BYTES))
-    sizes = []
-    size = 4096
-    while size < largest:
-        sizes.append(size)
-        size *= 4
-    sizes.append(largest)
-    pool = torch.ones(largest // element, dtype=dtype, device=device)
-    buffers = {s: pool[:max(1, s // element)] for s in sizes}
-    second = torch.ones_like(pool) if len(channels) > 1 else None
+    device = torch.device(device)
 
-    def timed(size: int, channel_list: list[int], scatter: bool = False) -> float:
+    def elements(size: int) -> int:
+        return max(1, size // element)
+
+    def buffer(size: int) -> torch.Tensor:
+        return torch.ones(elements(size), dtype=dtype, device=device)
+
+    def timed(tensors: list[torch.Tensor], scatter: bool = False) -> float:
+        """Median seconds of `tensors` all-reduced at once, one per channel (or the first reduce-scattered)."""
         samples = []
         for _ in range(repeats + 1):
-            started = now(buffers[size].device)
+            started = now(device)
             if scatter:
-                parts = list(buffers[size].tensor_split(channels.world_size))
-                works = [channels.reduce_scatter(0, parts)]
+                works = [channels.reduce_scatter(0, list(tensors[0].tensor_split(channels.world_size)))]
             else:
-                works = [channels.all_reduce(c, buffers[size] if c == 0 else second[:buffers[size].numel()])
-                         for c in channel_list]
-            for work in works:
-                work.wait()
-            samples.append(now(buffers[size].device) - started)
+                works = [channels.all_reduce(channel, tensor) for channel, tensor in enumerate(tensors)]
+            for handle in works:
+                handle.wait()
+            samples.append(now(device) - started)
         return median(samples[1:])
 
-    times = [timed(s, [0]) for s in sizes]
+    def slowest(times: list[float]) -> list[float]:
+        maximum = torch.tensor(times, dtype=torch.float64, device=device)  # on the backend's device
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=channels.process_group)
+        return maximum.tolist()
+
+    sizes, times = [SMALLEST_PROBE_BYTES], []
+    while True:
+        times += slowest([timed([buffer(sizes[-1])])])
+        following = next_probe_size(sizes, times, largest_bytes)
+        if following is None:
+            break
+        sizes.append(following)
     pair_sizes = sizes[-2:] if len(channels) > 1 else []
-    pair_times = [timed(s, [0, 1]) for s in pair_sizes]
-    scatter_times = [timed(s, [0], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []
-    slowest = torch.tensor(times + pair_times + scatter_times, dtype=torch.float64, device=device)  # on the
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=channels.process_group)  # backend's device
-    measured = slowest.tolist()
-    byte_sizes = [buffers[s].numel() * element for s in sizes]
-    fitted = CostModel.fit(byte_sizes, measured[: len(sizes)], byte_sizes[len(sizes) - len(pair_sizes):],
-                           measured[len(sizes):len(sizes) + len(pair_sizes)], name="measured", clamp=True)
-    if scatter_times:
-        fitted = fitted.with_reduce_scatter_fit(byte_sizes, measured[len(sizes) + len(pair_sizes):], clamp=True)
+    extra = slowest([timed([buffer(s), buffer(s)]) for s in pair_sizes]
+                    + ([timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []))
+    byte_sizes = [elements(s) * element for s in sizes]
+    fitted = CostModel.fit(byte_sizes, times, byte_sizes[len(sizes) - len(pair_sizes):], extra[:len(pair_sizes)],
+                           name="measured", clamp=True)
+    if collective == REDUCE_SCATTER:
+        fitted = fitted.with_reduce_scatter_fit(byte_sizes, extra[len(pair_sizes):], clamp=True)
     slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
-                     **measure_slowdowns(channels, fitted, dtype, device, repeats))
-    return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats))
+                     **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
+    return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
+
+
+def next_probe_size(sizes: list[int], times: list[float], largest_bytes: int) -> int | None:
+    """The all-reduce size to time after `sizes` (bytes, timed in `times` seconds), or None where
+    the sweep ends (``measure_cost``): 4 times the last, the model's gradient bytes where they lie
+    between, at most LARGEST_PROBE_BYTES; it ends at the gradient bytes once a size has taken
+    `RESOLVED` times the first one's time.
+
+    Args:
+        sizes, times: the sizes timed so far, smallest first, and their times.
+        largest_bytes: the model's gradient bytes.
+    """
+    size = sizes[-1]
+    if size >= LARGEST_PROBE_BYTES or (size >= largest_bytes and times[-1] >= RESOLVED * times[0]):
+        return None
+    return min(LARGEST_PROBE_BYTES, int(largest_bytes) if size < largest_bytes < 4 * size else 4 * size)
 
 
 def release_freed_host_memory() -> None:
@@ -102,6 +129,7 @@ class ProbeWork:
 
     def __init__(self, dtype, device):
         self.matrix = torch.ones(128, 128, dtype=dtype, device=device)
+        self.device = self.matrix.device
         self.run(4)
         self.per_product = median([self.run(8) / 8 for _ in range(3)])
 
@@ -128,17 +156,17 @@ MAX_SLOWDOWN = 20.0
 
 
 def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu",
-                      repeats: int = 5) -> dict[str, float]:
+                      repeats: int = 5, work: ProbeWork | None = None) -> dict[str, float]:
     """The cost model's `compute_slowdown` σ and `transfer_slowdown` τ: about 40 ms of computation
     (matrix products) and an all-reduce on channel 0 that outlasts it (three times as long by
     `cost`, at most 64 MiB) timed alone and then together (`slowdowns_of`); each the median over
     `repeats` such triples and then over the ranks; at least 1.
 
     Args:
-        channels, dtype, device, repeats: as ``measure_cost``.
+        channels, dtype, device, repeats, work: as ``measure_cost``.
         cost: the fitted a and b (they size the all-reduce).
     """
-    work = ProbeWork(dtype, device)
+    work = work or ProbeWork(dtype, device)
     count = work.count_for(SLOWDOWN_PROBE_SECONDS)
     element = torch.tensor([], dtype=dtype).element_size()
     nbytes = min(64 << 20, max(4096, (3 * SLOWDOWN_PROBE_SECONDS - cost.a) / cost.b))
@@ -147,12 +175,12 @@ def measure_slowdowns(channels: Channels, cost: CostModel, dtype=torch.float32, 
     def timed(compute: bool, transfer: bool) -> tuple[float, float]:
         """(computation seconds, all-reduce seconds)."""
         dist.barrier(group=channels.process_group)
-        started = now(work.matrix.device)
+        started = now(work.device)
         handle = channels.all_reduce(0, buffer) if transfer else None
         computed = work.run(count) if compute else 0.0
         if handle is not None:
             handle.wait()
-        return computed, now(work.matrix.device) - started
+        return computed, now(work.device) - started
 
     timed(True, True)  # warm-up
     compute, transfer = [], []
@@ -185,7 +213,7 @@ HOST_PROBE_OPS = 16
 
 
 def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu", repeats: int = 5,
-                 ops: int = HOST_PROBE_OPS) -> float:
+                 ops: int = HOST_PROBE_OPS, work: ProbeWork | None = None) -> float:
     """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
     products, each about twice `cost.a`, so that an op is mostly done before the next
     launches) timed alone and then with one single-element op launched through a PlanExecutor
@@ -196,7 +224,7 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
     simulator's slowdown σ (charged while ops transmit) takes no share of the difference.
 
     Args:
-        channels, dtype, device, repeats: as ``measure_cost``.
+        channels, dtype, device, repeats, work: as ``measure_cost``.
         cost: the fitted a (it sizes the slices).
         ops: ops launched per timed run.
     """
@@ -207,18 +235,18 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
         parameters[name].grad = torch.ones_like(parameters[name])
     plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
     executor = PlanExecutor(plan, parameters, channels)
-    work = ProbeWork(dtype, device)
+    work = work or ProbeWork(dtype, device)
     count = work.count_for(2 * cost.a)
 
     def timed(launch: bool) -> float:
         executor.start_iteration(0)
         dist.barrier(group=channels.process_group)
-        started = now(work.matrix.device)
+        started = now(work.device)
         for name in names:
             work.run(count)
             if launch:
                 executor.mark_ready(name)
-        elapsed = now(work.matrix.device) - started
+        elapsed = now(work.device) - started
         if launch:
             executor.wait_all()
         return elapsed
