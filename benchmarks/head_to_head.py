@@ -333,11 +333,12 @@ COST_REPEATS = 15
 
 def shared_cost(model: nn.Module):
     """The cost (a, b, γ, slowdowns, host time per op) fitted once on this job's network, as
-    gradsync.wrap would fit it but from more repeats of each probe; every gradsync row plans with it."""
+    gradsync.wrap would fit it but from more repeats of each probe; every gradsync row plans with it.
+    Beside an emulated model's ops the probes' computation waits off the core, as its layers do."""
     channels = Channels(2)
     try:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return measure_cost(channels, gradient_bytes, repeats=COST_REPEATS)
+        return measure_cost(channels, gradient_bytes, repeats=COST_REPEATS, work=getattr(model, "probe_work", None))
     finally:
         channels.destroy()
 

@@ -44,6 +44,27 @@ class DeviceClock:
             time.sleep(self.deadline - now)
 
 
+class DeviceWork:
+    """The cost probes' computation on an emulated accelerator (``EmulatedModel.probe_work``, which
+    ``gradsync.wrap`` gives ``measure_cost``): waits that leave the core free, as the model's layers
+    take, so that the slowdowns the probes fit are those of this computation; matrix products would
+    occupy the core and slow the transfers beside them, which the emulated layers do not."""
+
+    SLICE = 0.001  # seconds per unit of work
+
+    device = torch.device("cpu")
+
+    def run(self, count: int) -> float:
+        """Seconds that `count` slices took."""
+        started = time.perf_counter()
+        time.sleep(count * self.SLICE)
+        return time.perf_counter() - started
+
+    def count_for(self, seconds: float) -> int:
+        """Slices in about `seconds`."""
+        return max(1, math.ceil(seconds / self.SLICE))
+
+
 def scaled_shape(shape: tuple[int, ...], scale: float) -> tuple[int, ...]:
     """`shape` with about `scale` times the elements: a vector's length scaled, a matrix's (or a
     convolution's) first two dimensions each by √scale, so it stays a matrix of the same aspect."""
@@ -107,7 +128,8 @@ class EmulatedLayer(nn.Module):
 
 
 class EmulatedModel(nn.Module):
-    """The layers of a ModelProfile, input to output, each waiting its profiled times.
+    """The layers of a ModelProfile, input to output, each waiting its profiled times. Its
+    `probe_work` is the computation gradsync's cost probes run beside their ops.
 
     Args:
         profile: the model to emulate (``gradsync.profile.zoo`` or a measured profile).
@@ -120,6 +142,7 @@ class EmulatedModel(nn.Module):
         if not (isinstance(size_scale, (int, float)) and 0 < size_scale <= 1):
             raise ConfigError(f"'size_scale' must be in (0, 1], got {size_scale!r}")
         self.clock = DeviceClock()
+        self.probe_work = DeviceWork()
         generator = torch.Generator().manual_seed(seed)
         self.layers = nn.ModuleList(EmulatedLayer(layer, self.clock, generator, size_scale)
                                     for layer in profile.layers)

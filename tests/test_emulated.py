@@ -79,9 +79,12 @@ def test_a_size_scale_outside_zero_to_one_is_refused():
 
 def beside_ddp(rank, world_size, steps: int):
     """gradsync (measured profile) and torch DDP, then DDP with the PowerSGD hook, on the emulated
-    model: their distance, gradsync's measured backward time, the hook replicas' spread."""
+    model: their distance, gradsync's measured backward time, the hook replicas' spread, and the
+    seconds of the device's waits the cost probes ran beside their ops."""
     profile = small_profile()
     model = EmulatedModel(profile, SIZE_SCALE)
+    probe_waits, run_waits = [], model.probe_work.run
+    model.probe_work.run = lambda count: probe_waits.append(run_waits(count)) or probe_waits[-1]
     reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
                                      warmup_iterations=1, measure_iterations=2)
@@ -109,11 +112,12 @@ def beside_ddp(rank, world_size, steps: int):
     gathered = [torch.zeros_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     spread = max((g - flat).abs().max().item() for g in gathered)
-    return distance, measured, profile.backward_time, spread, math.isfinite(flat.sum().item())
+    return distance, measured, profile.backward_time, spread, math.isfinite(flat.sum().item()), sum(probe_waits)
 
 
 def test_gradsync_ddp_and_the_powersgd_hook_run_on_it_and_profiling_measures_it():
-    for distance, measured, emulated, spread, finite in run_local(beside_ddp, 2, 8, timeout=300):
+    for distance, measured, emulated, spread, finite, probe_waits in run_local(beside_ddp, 2, 8, timeout=300):
+        assert probe_waits > 0.1  # the slowdown probes alone wait 40 ms, 11 times
         assert distance < 1e-6
         assert measured == pytest.approx(emulated, rel=0.25)
         assert spread == 0.0 and finite

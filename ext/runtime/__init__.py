@@ -162,7 +162,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
         sync.check_optimizer(optimizer)
         with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
             cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=table.device,
-                                                  collective=installed.collective)
+                                                  collective=installed.collective,
+                                                  work=getattr(model, "probe_work", None))
         if arguments.profile is not None:
             installed.install(arguments.profile, cost)
         else:
