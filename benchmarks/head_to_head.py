@@ -351,8 +351,14 @@ def median_cost(fits: list[dict]) -> dict:
     one taking 6 times as long (`benchmarks.interference --probe-fits 5 --host-probe-ops 96
     --host-probe-repeats 9`). A run's rows are timed across its whole length; their predictions
     take the median of fits before, midway through and after the timed rounds."""
-    return {key: fits[0][key] if isinstance(fits[0][key], str) else statistics.median(fit[key] for fit in fits)
-            for key in fits[0]}
+    def middle(key: str):
+        if isinstance(fits[0][key], str):
+            return fits[0][key]
+        if isinstance(fits[0][key], int):  # ops per channel: one of the counts fitted
+            return statistics.median_low(fit[key] for fit in fits)
+        return statistics.median(fit[key] for fit in fits)
+
+    return {key: middle(key) for key in fits[0]}
 
 
 def round_order(labels: list[str], pair: tuple[str, str] = OVERHEAD_PAIR, repeats: int = OVERHEAD_PAIRS) -> list[str]:
@@ -514,7 +520,8 @@ def cost_line(fits: list[dict], world_size: int) -> str:
     cost = median_cost(fits)
     link_gbps = 2 * (world_size - 1) / world_size * 8 / cost["b"] / 1e9
     line = (f"fitted all-reduce cost a = {cost['a'] * 1e3:.2f} ms, b ≙ {link_gbps:.2f} Gbit/s per ring link,"
-            f" γ = {cost['gamma']:.2f}, host time per op {cost['host'] * 1e3:.2f} ms,"
+            f" γ = {cost['gamma']:.2f}, {cost['ops_per_channel']} op(s) at once per channel,"
+            f" host time per op {cost['host'] * 1e3:.2f} ms,"
             f" slowdowns σ = {cost['compute_slowdown']:.2f} (computation), τ = {cost['transfer_slowdown']:.2f}"
             " (transfers)")
     spread = ", ".join(f"{name} {min(fit[key] for fit in fits) * scale:.2f}–{max(fit[key] for fit in fits) * scale:.2f}"

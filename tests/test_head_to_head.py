@@ -170,8 +170,9 @@ def test_on_request_rows_run_only_when_named_and_topology_rows_only_on_a_topolog
     assert set(default_rows(topology=False)) == set(ROWS) - set(ON_REQUEST_ROWS) - set(TOPOLOGY_ROWS)
 
 
-def fit(host: float, sigma: float, a: float = 1e-3) -> dict:
-    return CostModel(a=a, b=8e-9, gamma=1.5, host=host, compute_slowdown=sigma, transfer_slowdown=1.1).to_dict()
+def fit(host: float, sigma: float, a: float = 1e-3, ops: int = 2) -> dict:
+    return CostModel(a=a, b=8e-9, gamma=1.5, host=host, compute_slowdown=sigma, transfer_slowdown=1.1,
+                     ops_per_channel=ops).to_dict()
 
 
 def test_the_median_cost_takes_each_field_apart():
@@ -179,6 +180,9 @@ def test_the_median_cost_takes_each_field_apart():
     assert median_cost(fits) == fit(2e-3, 1.5, a=2e-3)
     line = cost_line(fits, 2)
     assert "host time per op 2.00 ms" in line and "σ = 1.50" in line and "a = 2.00 ms" in line
+    assert "2 op(s) at once per channel" in line
+    # a count stays one of the counts fitted, also from an even number of fits
+    assert median_cost([fit(1e-3, 1.2, ops=1), fit(1e-3, 1.2, ops=2)])["ops_per_channel"] == 1
     assert "median of 3 fits" in line and "host ms 1.00–4.00, σ 1.20–1.90, τ 1.10–1.10" in line
 
 

@@ -1,8 +1,9 @@
 """Network probes at wrap time, which calibrate the cost model: a + b·bytes from timed all-reduces
 (and from timed reduce-scatters, for plans of them), γ from pairs run at once on two channels
-(asc-wfbp eq. 9), the slowdowns of computation and
-communication from the two timed alone and together, and the computing thread's time per op
-(`host`) from computation run with and without small ops launched between its slices."""
+(asc-wfbp eq. 9), how many ops a channel runs at once from small ones launched together on it, the
+slowdowns of computation and communication from the two timed alone and together, and the
+computing thread's time per op (`host`) from computation run with and without small ops launched
+between its slices."""
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,8 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
                  repeats: int = 5, collective: str = ALLREDUCE, work: ProbeWork | None = None) -> CostModel:
     """Fit a + b·bytes from timed all-reduces on channel 0, γ from two at once on channels 0 and 1,
     and for `collective` ``reduce_scatter`` its own a + b·bytes from timed reduce-scatters (each
-    rank receiving an equal part); then the slowdowns, the host time per op and how many ops a
-    channel runs at once.
+    rank receiving an equal part); how many ops a channel runs at once (``ops_at_once``); then
+    the slowdowns and the host time per op.
 
     Sizes run from 4 KiB by factors of 4 to the model's gradient bytes, the largest op a plan can
     send, and on until one takes `RESOLVED` times the smallest one's time (so that b is resolved);
@@ -59,15 +60,19 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     def buffer(size: int) -> torch.Tensor:
         return torch.ones(elements(size), dtype=dtype, device=device)
 
-    def timed(tensors: list[torch.Tensor], scatter: bool = False) -> float:
-        """Median seconds of `tensors` all-reduced at once, one per channel (or the first reduce-scattered)."""
+    def timed(tensors: list[torch.Tensor], scatter: bool = False, one_channel: bool = False) -> float:
+        """Median seconds of `tensors` all-reduced at once, one per channel, or all on channel 0 from
+        a barrier (so that no rank's late arrival stretches them; or the first reduce-scattered)."""
         samples = []
         for _ in range(repeats + 1):
+            if one_channel:
+                dist.barrier(group=channels.process_group)
             started = now(device)
             if scatter:
                 works = [channels.reduce_scatter(0, list(tensors[0].tensor_split(channels.world_size)))]
             else:
-                works = [channels.all_reduce(channel, tensor) for channel, tensor in enumerate(tensors)]
+                works = [channels.all_reduce(0 if one_channel else channel, tensor)
+                         for channel, tensor in enumerate(tensors)]
             for handle in works:
                 handle.wait()
             samples.append(now(device) - started)
@@ -86,16 +91,34 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
             break
         sizes.append(following)
     pair_sizes = sizes[-2:] if len(channels) > 1 else []
+    threads = channels.ops_per_channel
     extra = slowest([timed([buffer(s), buffer(s)]) for s in pair_sizes]
+                    + [timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
                     + ([timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []))
     byte_sizes = [elements(s) * element for s in sizes]
     fitted = CostModel.fit(byte_sizes, times, byte_sizes[len(sizes) - len(pair_sizes):], extra[:len(pair_sizes)],
                            name="measured", clamp=True)
     if collective == REDUCE_SCATTER:
-        fitted = fitted.with_reduce_scatter_fit(byte_sizes, extra[len(pair_sizes):], clamp=True)
-    slowed = replace(fitted, ops_per_channel=channels.ops_per_channel,
+        fitted = fitted.with_reduce_scatter_fit(byte_sizes, extra[len(pair_sizes) + 2:], clamp=True)
+    slowed = replace(fitted, ops_per_channel=ops_at_once(threads, *extra[len(pair_sizes):len(pair_sizes) + 2]),
                      **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
+
+
+def ops_at_once(threads: int, alone: float, together: float) -> int:
+    """How many ops a channel runs at once (the cost model's `ops_per_channel`): of its `threads`
+    small all-reduces launched together (`together` seconds, against `alone` for one, each timed
+    from a barrier), as many as their time says ran side by side, ``threads·alone / together``
+    rounded, from 1 to `threads`. A gloo group's two worker threads ran two 4 KiB all-reduces in
+    1.75 times one's time on 2 netbed ranks, 1.61 times on 8 (both round to 1): their start-ups
+    barely overlap. Timed back to back, without the barrier, one op waits for the last rank's
+    arrival and two share that wait: on 8 ranks they gave 2.
+
+    Args:
+        threads: the channel's worker threads (``Channels.ops_per_channel``).
+        alone, together: seconds of one small all-reduce, and of `threads` of them launched at once.
+    """
+    return max(1, min(threads, round(threads * alone / together)))
 
 
 def next_probe_size(sizes: list[int], times: list[float], largest_bytes: int) -> int | None:
