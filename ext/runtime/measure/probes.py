@@ -92,15 +92,17 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
         sizes.append(following)
     pair_sizes = sizes[-2:] if len(channels) > 1 else []
     threads = channels.ops_per_channel
-    extra = slowest([timed([buffer(s), buffer(s)]) for s in pair_sizes]
-                    + [timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
-                    + ([timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []))
+    pairs = [timed([buffer(s), buffer(s)]) for s in pair_sizes]
+    start_ups = [timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
+    scatters = [timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []
+    agreed = iter(slowest(pairs + start_ups + scatters))
+    pairs, start_ups, scatters = ([next(agreed) for _ in part] for part in (pairs, start_ups, scatters))
     byte_sizes = [elements(s) * element for s in sizes]
-    fitted = CostModel.fit(byte_sizes, times, byte_sizes[len(sizes) - len(pair_sizes):], extra[:len(pair_sizes)],
+    fitted = CostModel.fit(byte_sizes, times, byte_sizes[len(sizes) - len(pair_sizes):], pairs,
                            name="measured", clamp=True)
-    if collective == REDUCE_SCATTER:
-        fitted = fitted.with_reduce_scatter_fit(byte_sizes, extra[len(pair_sizes) + 2:], clamp=True)
-    slowed = replace(fitted, ops_per_channel=ops_at_once(threads, *extra[len(pair_sizes):len(pair_sizes) + 2]),
+    if scatters:
+        fitted = fitted.with_reduce_scatter_fit(byte_sizes, scatters, clamp=True)
+    slowed = replace(fitted, ops_per_channel=ops_at_once(threads, *start_ups),
                      **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
 
