@@ -35,8 +35,9 @@ class CostModel:
     `compute_slowdown`, how many times slower the computation runs while an op transmits;
     `transfer_slowdown`, how many times slower an op progresses while the computation runs;
     `ops_per_channel`, how many ops one channel runs at once (an NCCL communicator runs one, a gloo
-    process group at most one per worker thread, two by default, as many as measured). The papers' model has host = 0 and both
-    slowdowns 1 (their ops and computation never meet) and one op per channel.
+    process group at most one per worker thread, two by default, as many as measured). The papers'
+    model has host = 0 and both slowdowns 1 (their ops and computation never meet) and one op per
+    channel.
     `reduce_scatter_a` and `reduce_scatter_b`: a reduce-scatter's ``a + b·bytes`` (the whole
     buffer's bytes; each rank receives its partition), fitted on its own; None: half the
     all-reduce's (a ring all-reduce is a reduce-scatter and an all-gather of equal cost)."""

@@ -93,7 +93,8 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     pair_sizes = sizes[-2:] if len(channels) > 1 else []
     threads = channels.ops_per_channel
     pairs = [timed([buffer(s), buffer(s)]) for s in pair_sizes]
-    start_ups = [timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
+    start_ups = ([timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
+                 if threads > 1 else [])  # one thread runs one op at a time
     scatters = [timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []
     agreed = iter(slowest(pairs + start_ups + scatters))
     pairs, start_ups, scatters = ([next(agreed) for _ in part] for part in (pairs, start_ups, scatters))
@@ -102,7 +103,7 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
                            name="measured", clamp=True)
     if scatters:
         fitted = fitted.with_reduce_scatter_fit(byte_sizes, scatters, clamp=True)
-    slowed = replace(fitted, ops_per_channel=ops_at_once(threads, *start_ups),
+    slowed = replace(fitted, ops_per_channel=ops_at_once(threads, *start_ups) if start_ups else 1,
                      **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
 
