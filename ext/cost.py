@@ -216,9 +216,11 @@ class CostModel:
         concurrent_times: Sequence[float] = (),
         name: str = "fitted",
         clamp: bool = False,
+        least_start_up: float = 0.0,
     ) -> "CostModel":
-        """Least-squares a and b from (bytes, seconds) samples; γ from the times of two
-        simultaneous all-reduces of each size in `concurrent_sizes` (asc-wfbp eq. 9: a + γ·b·m).
+        """Least-squares a and b from (bytes, seconds) samples, subject to a ≥ `least_start_up`;
+        γ from the times of two simultaneous all-reduces of each size in `concurrent_sizes`
+        (asc-wfbp eq. 9: a + γ·b·m).
 
         A fit with a ≤ 0 or b ≤ 0 raises, unless `clamp` (for live measurements, where such a fit
         means the term is below what the samples resolve): then it is set to its smallest value
@@ -231,8 +233,10 @@ class CostModel:
                 of that size started together take until both end, a + γ·b·m; one time per size; empty: γ = 1.
             name: the model's name.
             clamp: raise the fitted a and b to at least those smallest values instead of refusing a ≤ 0 or b ≤ 0.
+            least_start_up: seconds a is at least, measured directly (``probes.measure_cost``: what an
+                op carrying nothing costs where the least-squares intercept falls below it).
         """
-        a, b, report = _least_squares(sizes, times, clamp)
+        a, b, report = _least_squares(sizes, times, clamp, least_start_up)
         gamma = 1.0
         if len(concurrent_sizes):
             cx = np.asarray(concurrent_sizes, dtype=float)
@@ -244,16 +248,23 @@ class CostModel:
         return cls(float(a), float(b), gamma, name, fit_report=report)
 
 
-def _least_squares(sizes: Sequence[float], times: Sequence[float], clamp: bool) -> tuple[float, float, FitReport]:
-    """a and b of a + b·m fitted to (bytes, seconds) samples, and the fit's quality (`CostModel.fit`)."""
+def _least_squares(sizes: Sequence[float], times: Sequence[float], clamp: bool,
+                   least_a: float = 0.0) -> tuple[float, float, FitReport]:
+    """a and b of a + b·m fitted to (bytes, seconds) samples with a ≥ `least_a`, and the fit's
+    quality (`CostModel.fit`). Where the unconstrained intercept lies below `least_a`, the
+    constrained least squares holds a there and fits the slope alone: b = Σm(t − a) / Σm²."""
     x = np.asarray(sizes, dtype=float)
     y = np.asarray(times, dtype=float)
     if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
         raise ConfigError("cost fit: needs at least two distinct sizes with one time each")
     if np.any(x < 0) or np.any(y <= 0) or not np.all(np.isfinite(y)):
         raise ConfigError("cost fit: sizes must be >= 0 and times finite and > 0")
+    if not (math.isfinite(least_a) and least_a >= 0):
+        raise ConfigError(f"cost fit: the least start-up must be finite and >= 0, got {least_a!r}")
     design = np.stack([np.ones_like(x), x], axis=1)
     (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+    if a < least_a:
+        a, b = least_a, float(np.dot(x, y - least_a) / np.dot(x, x))
     if clamp:
         a, b = max(a, 0.01 * float(y.min())), max(b, 1e-15)
     if a <= 0 or b <= 0:

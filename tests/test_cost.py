@@ -103,6 +103,34 @@ def test_clamped_fit_keeps_unresolvable_terms_positive():
     assert cost.b == 1e-15 and cost.a == pytest.approx(intercept)
 
 
+# 4 netbed ranks at 31 Mbit/s: the middle sizes lie below the line through the smallest and the
+# largest, and a stream of ops that carry nothing took 2.8 ms per op
+BENT_SIZES = [4096, 16384, 65536, 262144, 716800]
+BENT_TIMES = [5.35e-3, 7.85e-3, 27.8e-3, 110e-3, 300e-3]
+
+
+def test_a_least_start_up_holds_a_and_the_slope_is_fitted_under_it():
+    free = CostModel.fit(BENT_SIZES, BENT_TIMES, clamp=True)
+    assert free.a < 2e-3  # the intercept, below what an empty op costs
+    held = CostModel.fit(BENT_SIZES, BENT_TIMES, clamp=True, least_start_up=2.8e-3)
+    assert held.a == 2.8e-3
+
+    def squared_error(b):
+        return sum((2.8e-3 + b * m - t) ** 2 for m, t in zip(BENT_SIZES, BENT_TIMES))
+
+    # the slope is the least-squares one with a held: no nearby slope fits better
+    assert all(squared_error(held.b) < squared_error(held.b * (1 + step)) for step in (-1e-3, 1e-3))
+    assert held.fit_report.rmse == pytest.approx(math.sqrt(squared_error(held.b) / len(BENT_SIZES)))
+    # a least start-up below the intercept leaves the fit as it was
+    assert CostModel.fit(BENT_SIZES, BENT_TIMES, clamp=True, least_start_up=free.a / 2) == free
+
+
+@pytest.mark.parametrize("least", [-1e-3, math.inf, math.nan])
+def test_a_least_start_up_must_be_a_finite_time(least):
+    with pytest.raises(ConfigError, match="least start-up"):
+        CostModel.fit(BENT_SIZES, BENT_TIMES, least_start_up=least)
+
+
 @pytest.mark.parametrize("workers", [2, 4, 8])
 def test_a_ring_all_reduce_is_its_reduce_scatter_then_a_ring_all_gather(workers):
     """The reduce-scatter holds every summation, (N−1)α + (N−1)/N·(β + sum)·m; the all-gather

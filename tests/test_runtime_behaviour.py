@@ -201,10 +201,11 @@ def test_measured_profile_and_cost_are_sane_and_agree():
     assert first["iterations"] == 4
 
 
-def host_with_launch_delay(rank, world_size, delay):
-    """measure_host on two channels whose all-reduces first block the launching thread for `delay` s."""
+def probe_with_launch_delay(rank, world_size, delay, probe="host"):
+    """measure_host (`probe` "host") or empty_op_seconds ("empty") on two channels whose all-reduces
+    first block the launching thread for `delay` s."""
     from gradsync.runtime.channels import Channels
-    from gradsync.runtime.measure.probes import measure_host
+    from gradsync.runtime.measure.probes import empty_op_seconds, measure_host
 
     channels = Channels(2)
     launch = channels.all_reduce
@@ -215,7 +216,7 @@ def host_with_launch_delay(rank, world_size, delay):
 
     channels.all_reduce = delayed
     try:
-        return measure_host(channels, CostModel(1e-3, 1e-9))
+        return measure_host(channels, CostModel(1e-3, 1e-9)) if probe == "host" else empty_op_seconds(channels)
     finally:
         channels.destroy()
 
@@ -224,9 +225,36 @@ LAUNCH_DELAY = 0.02  # s: far above what a busy host's scheduling adds to a slic
 
 
 def test_host_time_per_op_counts_what_launching_costs_the_computing_thread():
-    plain = min(run_local(host_with_launch_delay, 2, 0.0)[0] for _ in range(2))
-    delayed = min(run_local(host_with_launch_delay, 2, LAUNCH_DELAY)[0] for _ in range(2))
+    plain = min(run_local(probe_with_launch_delay, 2, 0.0)[0] for _ in range(2))
+    delayed = min(run_local(probe_with_launch_delay, 2, LAUNCH_DELAY)[0] for _ in range(2))
     assert 0 <= plain < LAUNCH_DELAY / 4
+    assert delayed - plain == pytest.approx(LAUNCH_DELAY, rel=0.25)
+
+
+def cost_with_empty_op_seconds(rank, world_size, seconds):
+    """measure_cost on one channel where an op carrying nothing is taken to cost `seconds`."""
+    from gradsync.runtime.channels import Channels
+    from gradsync.runtime.measure import probes
+
+    probes.empty_op_seconds = lambda *args: seconds
+    channels = Channels(1)
+    try:
+        cost = probes.measure_cost(channels, 1 << 16, repeats=2)
+        return {"a": cost.a, "ops_per_channel": cost.ops_per_channel}
+    finally:
+        channels.destroy()
+
+
+def test_the_measured_a_is_at_least_an_empty_ops_time_on_the_channels_ops_at_once():
+    measured = run_local(cost_with_empty_op_seconds, 2, 0.005)[0]
+    assert measured["a"] == pytest.approx(0.005 * measured["ops_per_channel"])  # far above loopback's intercept
+
+
+def test_an_empty_op_costs_what_a_stream_of_them_takes_per_op():
+    plain = run_local(probe_with_launch_delay, 2, 0.0, "empty")[0]
+    delayed = run_local(probe_with_launch_delay, 2, LAUNCH_DELAY, "empty")[0]
+    assert 0 < plain < LAUNCH_DELAY / 4
+    # each launch holds the next back by the delay: the stream's time per op grows by it
     assert delayed - plain == pytest.approx(LAUNCH_DELAY, rel=0.25)
 
 

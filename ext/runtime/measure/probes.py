@@ -1,9 +1,9 @@
 """Network probes at wrap time, which calibrate the cost model: a + b·bytes from timed all-reduces
 (and from timed reduce-scatters, for plans of them), γ from pairs run at once on two channels
 (asc-wfbp eq. 9), how many ops a channel runs at once from small ones launched together on it, the
-slowdowns of computation and communication from the two timed alone and together, and the
-computing thread's time per op (`host`) from computation run with and without small ops launched
-between its slices."""
+least start-up from a stream of ops that carry nothing, the slowdowns of computation and
+communication from the two timed alone and together, and the computing thread's time per op
+(`host`) from computation run with and without small ops launched between its slices."""
 from __future__ import annotations
 
 import ctypes
@@ -40,6 +40,11 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     in the least-squares fit, and where the time bends there (on a slow link, 4 MiB for a model of
     0.7 MB) they took a to zero. Each size's time is the median of `repeats` runs, maximised over
     ranks (the slowest rank is the one the others wait for; every rank then stops at the same size).
+    a is at least what an op carrying nothing costs in a stream of them (``empty_op_seconds``),
+    times the ops a channel runs at once, so that the simulator takes a stream of small ops as long
+    as the runtime does: on 4 netbed ranks at 31 Mbit/s the sizes' times (5.4, 7.9, 28, 110 and
+    300 ms from 4 KiB to 0.7 MB) bend below the line through the smallest and largest, and their
+    intercept was 0.06 ms where an empty op takes 2.8 ms.
 
     Args:
         channels: the job's channels (a collective over their process group).
@@ -96,14 +101,15 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     start_ups = ([timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
                  if threads > 1 else [])  # one thread runs one op at a time
     scatters = [timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []
-    agreed = iter(slowest(pairs + start_ups + scatters))
+    agreed = iter(slowest(pairs + start_ups + scatters + [empty_op_seconds(channels, dtype, device, repeats)]))
     pairs, start_ups, scatters = ([next(agreed) for _ in part] for part in (pairs, start_ups, scatters))
+    at_once = ops_at_once(threads, *start_ups) if start_ups else 1
     byte_sizes = [elements(s) * element for s in sizes]
     fitted = CostModel.fit(byte_sizes, times, byte_sizes[len(sizes) - len(pair_sizes):], pairs,
-                           name="measured", clamp=True)
+                           name="measured", clamp=True, least_start_up=at_once * next(agreed))
     if scatters:
         fitted = fitted.with_reduce_scatter_fit(byte_sizes, scatters, clamp=True)
-    slowed = replace(fitted, ops_per_channel=ops_at_once(threads, *start_ups) if start_ups else 1,
+    slowed = replace(fitted, ops_per_channel=at_once,
                      **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
 
@@ -238,6 +244,44 @@ def slowdowns_of(compute_alone: float, transfer_alone: float, compute_together: 
 HOST_PROBE_OPS = 16
 
 
+def empty_ops(channels: Channels, ops: int, dtype, device) -> tuple[list[str], PlanExecutor]:
+    """A PlanExecutor of `ops` backward-phase ops on channel 0, each all-reducing one element of
+    its own parameter, and the parameters' names in launch order: ops that barely transmit."""
+    names = [f"probe{i}" for i in range(ops)]
+    parameters = {}
+    for name in names:
+        parameters[name] = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        parameters[name].grad = torch.ones_like(parameters[name])
+    plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
+    return names, PlanExecutor(plan, parameters, channels)
+
+
+def empty_op_seconds(channels: Channels, dtype=torch.float32, device="cpu", repeats: int = 5,
+                     ops: int = HOST_PROBE_OPS) -> float:
+    """Seconds per op of `ops` single-element ops launched back to back through a PlanExecutor on
+    channel 0, as the runtime launches a plan's, from a barrier until the last ends; this rank's
+    median over `repeats`. On the netbed at 31 Mbit/s a stream of them took 2.8 ms per op on 4
+    ranks and 5.6 ms on 8, an isolated one 8 and 12 ms: a stream, not an isolated op, is what a
+    plan of many small ops sends.
+
+    Args:
+        channels, dtype, device, repeats: as ``measure_cost``.
+        ops: ops per timed stream.
+    """
+    device = torch.device(device)
+    names, executor = empty_ops(channels, ops, dtype, device)
+    samples = []
+    for _ in range(repeats + 1):
+        executor.start_iteration(0)
+        dist.barrier(group=channels.process_group)
+        started = now(device)
+        for name in names:
+            executor.mark_ready(name)
+        executor.wait_all()
+        samples.append((now(device) - started) / ops)
+    return median(samples[1:])
+
+
 def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, device="cpu", repeats: int = 5,
                  ops: int = HOST_PROBE_OPS, work: ProbeWork | None = None) -> float:
     """Seconds of the computing thread one op costs: `ops` slices of computation (matrix
@@ -254,13 +298,7 @@ def measure_host(channels: Channels, cost: CostModel, dtype=torch.float32, devic
         cost: the fitted a (it sizes the slices).
         ops: ops launched per timed run.
     """
-    names = [f"probe{i}" for i in range(ops)]
-    parameters = {}
-    for name in names:
-        parameters[name] = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
-        parameters[name].grad = torch.ones_like(parameters[name])
-    plan = Plan(tuple(Op((Slice(name, 0, 1),), BACKWARD) for name in names)).with_transport(channels.transport)
-    executor = PlanExecutor(plan, parameters, channels)
+    names, executor = empty_ops(channels, ops, dtype, device)
     work = work or ProbeWork(dtype, device)
     count = work.count_for(2 * cost.a)
 
