@@ -246,7 +246,13 @@ HOST_PROBE_OPS = 16
 
 def empty_ops(channels: Channels, ops: int, dtype, device) -> tuple[list[str], PlanExecutor]:
     """A PlanExecutor of `ops` backward-phase ops on channel 0, each all-reducing one element of
-    its own parameter, and the parameters' names in launch order: ops that barely transmit."""
+    its own parameter, and the parameters' names in launch order: ops that barely transmit.
+
+    Args:
+        channels: the job's channels (the plan's transport is theirs).
+        ops: how many ops.
+        dtype, device: of the parameters.
+    """
     names = [f"probe{i}" for i in range(ops)]
     parameters = {}
     for name in names:
