@@ -231,12 +231,23 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", f
     return {"parameters": flat(module).cpu(), "backed_off": backed_off}
 
 
+def in_turn(rank, world_size, function, *arguments):
+    """`function` run on this rank once per tuple of `arguments`, in turn, in one process (a launch
+    costs more than a run): the results, one per tuple."""
+    return [function(rank, world_size, *args) for args in arguments]
+
+
+def side_by_side(function, first: tuple, second: tuple, **launch) -> tuple[list, list]:
+    """Every rank's result of `function` with the `first` arguments, and with the `second`."""
+    results = run_local(in_turn, launch.pop("world_size", 2), function, first, second, **launch)
+    return [result[0] for result in results], [result[1] for result in results]
+
+
 def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2, front="hook",
                          overflow="scale") -> None:
     """A step the GradScaler skips leaves training as without it: the same parameters, bitwise."""
-    skipped = run_local(under_grad_scaler, world_size, compressor, STEPS // 2, device, front, overflow,
-                        backend=backend)
-    plain = run_local(under_grad_scaler, world_size, compressor, None, device, front, backend=backend)
+    skipped, plain = side_by_side(under_grad_scaler, (compressor, STEPS // 2, device, front, overflow),
+                                  (compressor, None, device, front), world_size=world_size, backend=backend)
     for with_overflow, without in zip(skipped, plain):
         # the scaler saw the overflow: no update, scale halved
         assert with_overflow["backed_off"] == (2.0**39 if overflow == "scale" else 2.0**7)
@@ -287,8 +298,7 @@ def with_scale_changes(rank, world_size, compressor, front, scaled: bool):
 def test_error_feedback_follows_the_grad_scalers_scale(compressor, front):
     """The error feedback, kept in the scaled gradients' units, is rescaled at each change of the
     scaler's scale: the run trains as the unscaled one (powers of two scale exactly)."""
-    scaled = run_local(with_scale_changes, 2, compressor, front, True)
-    plain = run_local(with_scale_changes, 2, compressor, front, False)
+    scaled, plain = side_by_side(with_scale_changes, (compressor, front, True), (compressor, front, False))
     for with_scale, without in zip(scaled, plain):
         torch.testing.assert_close(with_scale, without, rtol=1e-5, atol=1e-6)
     assert not torch.equal(plain[0], flat(model()))  # it trained
