@@ -15,6 +15,7 @@ from gradsync.comm_hooks import CompressionState, compression_hook
 from gradsync.errors import ConfigError
 from gradsync.launch import run_local
 from gradsync.runtime import attached
+from launches import side_by_side
 from runtime_models import COST, synthetic_profile
 
 STEPS = 6
@@ -229,18 +230,6 @@ def under_grad_scaler(rank, world_size, compressor, overflow_at, device="cpu", f
                 backed_off = scaler.get_scale()
                 scaler.update(new_scale=2.0**8)
     return {"parameters": flat(module).cpu(), "backed_off": backed_off}
-
-
-def in_turn(rank, world_size, function, *arguments):
-    """`function` run on this rank once per tuple of `arguments`, in turn, in one process (a launch
-    costs more than a run): the results, one per tuple."""
-    return [function(rank, world_size, *args) for args in arguments]
-
-
-def side_by_side(function, first: tuple, second: tuple, **launch) -> tuple[list, list]:
-    """Every rank's result of `function` with the `first` arguments, and with the `second`."""
-    results = run_local(in_turn, launch.pop("world_size", 2), function, first, second, **launch)
-    return [result[0] for result in results], [result[1] for result in results]
 
 
 def skipped_beside_plain(compressor, device="cpu", backend="gloo", world_size=2, front="hook",

@@ -10,8 +10,9 @@ from torch.distributed import ProcessGroupGloo
 
 import gradsync
 from gradsync import ConfigError, CostModel
-from gradsync.runtime import attached, statistics
 from gradsync.launch import run_local
+from gradsync.runtime import attached, statistics
+from launches import side_by_side
 from runtime_models import COST, TiedNet, batch, synthetic_profile
 
 
@@ -251,8 +252,8 @@ def test_the_measured_a_is_at_least_an_empty_ops_time_on_the_channels_ops_at_onc
 
 
 def test_an_empty_op_costs_what_a_stream_of_them_takes_per_op():
-    plain = run_local(probe_with_launch_delay, 2, 0.0, "empty")[0]
-    delayed = run_local(probe_with_launch_delay, 2, LAUNCH_DELAY, "empty")[0]
+    plain, delayed = (ranks[0] for ranks in side_by_side(probe_with_launch_delay, (0.0, "empty"),
+                                                          (LAUNCH_DELAY, "empty")))
     assert 0 < plain < LAUNCH_DELAY / 4
     # each launch holds the next back by the delay: the stream's time per op grows by it
     assert delayed - plain == pytest.approx(LAUNCH_DELAY, rel=0.25)
@@ -303,15 +304,14 @@ def slowdowns_beside(rank, world_size, kind, emulated_device: bool = False):
 
 def test_slowdowns_are_measured_from_computation_and_transfer_alone_and_together():
     # other work on the host only ever adds to a slowdown: the smaller of two probes is the closer
-    idle_runs = [run_local(slowdowns_beside, 2, "idle")[0] for _ in range(2)]
+    *idle_runs, busy, device_a, device_b = (ranks[0] for ranks in side_by_side(
+        slowdowns_beside, ("idle",), ("idle",), ("busy",), ("busy", True), ("busy", True)))
     idle = {key: min(run[key] for run in idle_runs) for key in ("compute_slowdown", "transfer_slowdown")}
-    busy = run_local(slowdowns_beside, 2, "busy")[0]
     assert idle["compute_slowdown"] < 1.3 and idle["transfer_slowdown"] < 1.3  # a transfer that only waits
     assert busy["compute_slowdown"] > 1.5  # one that takes the interpreter from the computation
     # beside an emulated accelerator's computation, which waits off the core, that transfer runs
     # at its own pace and leaves the waits on time
-    beside_device = min((run_local(slowdowns_beside, 2, "busy", True)[0] for _ in range(2)),
-                        key=lambda run: run["transfer_slowdown"])
+    beside_device = min((device_a, device_b), key=lambda run: run["transfer_slowdown"])
     assert beside_device["compute_slowdown"] < 1.3 and beside_device["transfer_slowdown"] < 1.3
 
 
