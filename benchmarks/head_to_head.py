@@ -605,6 +605,15 @@ def emulated_targets(setting: Setting, results: dict[str, RowResult], plan_rows:
     return lines
 
 
+def same_ops(first: RowResult, second: RowResult) -> bool:
+    """Whether two rows ran the same ops in every layout (their plans' planner names aside)."""
+    if first.replay is None or second.replay is None:
+        return False
+    layouts = first.replay["layouts"]
+    return layouts.keys() == second.replay["layouts"].keys() and all(
+        layouts[name]["plan"]["ops"] == second.replay["layouts"][name]["plan"]["ops"] for name in layouts)
+
+
 def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list[str]) -> str | None:
     """auto against torch DDP (target ≥ 1×) and against the fastest fixed non-compressing plan of
     the setting (target: within 3%), with the iterations its trials took; None without an auto row."""
@@ -619,6 +628,8 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
         ratio = fixed[best] / results[auto].seconds
         line += (f"; {ratio:.3f}× the best fixed plan ({best}) (target ≥ {1 - AUTO_WITHIN:g}×): "
                  f"{verdict(ratio, 1 - AUTO_WITHIN)}")
+        if same_ops(results[auto], results[best]):
+            line += " (auto ran that row's plan, op for op: the two rows differ by their measurement alone)"
     if results[auto].trial_iterations is not None:
         line += f"; its trials took {results[auto].trial_iterations} iterations"
     return line

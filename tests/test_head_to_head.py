@@ -158,7 +158,15 @@ def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
     assert line.startswith("- transformer, 2 ranks, 10gbit: auto (→ mg_wfbp) 1.18× torch DDP (target ≥ 1×): reached")
     assert "0.980× the best fixed plan (gradsync mg_wfbp) (target ≥ 0.97×): reached" in line
-    assert line.endswith("its trials took 49 iterations")
+    assert line.endswith("its trials took 49 iterations") and "op for op" not in line
+    # auto running the best row's own ops: the report says their gap is the measurement's
+    for label, ops in ((auto, [{"slices": [["w", 0, 8]]}]), (mg_wfbp, [{"slices": [["w", 0, 8]]}])):
+        report["rows"][label]["replay"] = {"layouts": {"plain": {"plan": {"planner": label, "ops": ops}}}}
+    [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
+    assert "(auto ran that row's plan, op for op: the two rows differ by their measurement alone)" in line
+    report["rows"][auto]["replay"]["layouts"]["plain"]["plan"]["ops"] = [{"slices": [["w", 0, 4]]}]
+    [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
+    assert "op for op" not in line
     slower = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.0] * 3, mg_wfbp: [0.9] * 3, auto: [1.05] * 3})
     [line, *_] = targets({Setting("cnn", 2, "10gbit"): summarise([slower])})
     assert "0.95× torch DDP (target ≥ 1×): NOT reached" in line and "0.857× the best fixed plan" in line
