@@ -101,14 +101,17 @@ def measure_cost(channels: Channels, largest_bytes: int, dtype=torch.float32, de
     start_ups = ([timed([buffer(sizes[0]) for _ in range(count)], one_channel=True) for count in (1, threads)]
                  if threads > 1 else [])  # one thread runs one op at a time
     scatters = [timed([buffer(s)], scatter=True) for s in sizes] if collective == REDUCE_SCATTER else []
-    agreed = iter(slowest(pairs + start_ups + scatters + [empty_op_seconds(channels, dtype, device, repeats)]))
-    pairs, start_ups, scatters = ([next(agreed) for _ in part] for part in (pairs, start_ups, scatters))
+    empty_op = [empty_op_seconds(channels, dtype, device, repeats)]
+    agreed = iter(slowest(pairs + start_ups + scatters + empty_op))
+    pairs, start_ups, scatters, (empty_op,) = ([next(agreed) for _ in part]
+                                               for part in (pairs, start_ups, scatters, empty_op))
     at_once = ops_at_once(threads, *start_ups) if start_ups else 1
     byte_sizes = [elements(s) * element for s in sizes]
     fitted = CostModel.fit(byte_sizes, times, byte_sizes[len(sizes) - len(pair_sizes):], pairs,
-                           name="measured", clamp=True, least_start_up=at_once * next(agreed))
+                           name="measured", clamp=True, least_start_up=at_once * empty_op)
     if scatters:
         fitted = fitted.with_reduce_scatter_fit(byte_sizes, scatters, clamp=True)
+    work = work or ProbeWork(dtype, device)  # one calibration for both probes that compute
     slowed = replace(fitted, ops_per_channel=at_once,
                      **measure_slowdowns(channels, fitted, dtype, device, repeats, work))
     return replace(slowed, host=measure_host(channels, slowed, dtype, device, repeats, work=work))
