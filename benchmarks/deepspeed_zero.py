@@ -44,6 +44,7 @@ ROWS = {
     "gradsync acp_sgd": {"gradsync": {"scheduler": "auto", "compressor": {"type": "acp_sgd", "rank": 4}}},
 }
 COMPRESSED = ("gradsync acp_sgd",)
+GATHER = "gather probe"  # not a row: ZeRO's parameter all-gather alone, each way
 MAX_SETTLING_STEPS = 120  # a gradsync row's steps to measure and choose its plan, at most
 
 
@@ -52,15 +53,21 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def deepspeed_on_the_netbed():
+    """DeepSpeed's communication on the netbed's process group (one rank per emulated machine)."""
+    import deepspeed
+
+    os.environ["LOCAL_RANK"] = "0"
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group
+    return deepspeed
+
+
 def rank_main(rank: int, world_size: int, row: str, steps: int, warmup: int) -> dict:
     """One row on this rank: seconds per step (the slowest rank's), peak memory growth (MB) and
     what gradsync chose."""
-    import deepspeed
-
     import gradsync  # noqa: F401  (its entry in DeepSpeed's engine)
 
-    os.environ["LOCAL_RANK"] = "0"  # one rank per emulated machine
-    deepspeed.init_distributed(dist_backend="gloo")  # adopts the netbed's process group
+    deepspeed = deepspeed_on_the_netbed()
     before = peak_rss_mb()
     torch.manual_seed(0)
     model = Transformer()
@@ -104,6 +111,32 @@ def rank_main(rank: int, world_size: int, row: str, steps: int, warmup: int) -> 
     return result
 
 
+def gather_probe(rank: int, world_size: int, repeats: int = 3) -> dict:
+    """ZeRO's all-gather of the transformer's parameters (fp32, each rank's partition) alone, as
+    DeepSpeed runs it and as gradsync's takeover does (``gradsync.deepspeed.gather``), alternated:
+    the median milliseconds of each, the slowest rank's."""
+    from deepspeed.runtime.utils import all_gather_dp_groups
+
+    from gradsync.deepspeed.gather import gather_in_pieces
+
+    deepspeed_on_the_netbed()
+    size = -(-sum(p.numel() for p in Transformer().parameters()) // world_size)
+    flat = torch.zeros(world_size * size)
+    partitions = [list(flat.split(size))]
+    group = dist.new_group(backend="gloo")
+    times = {"deepspeed": [], "gradsync": []}
+    for _ in range(repeats):
+        for name, gather in (("deepspeed", all_gather_dp_groups), ("gradsync", gather_in_pieces)):
+            dist.barrier()
+            started = time.perf_counter()
+            gather(groups_flat=[flat], partitioned_param_groups=partitions, dp_process_group=[group],
+                   start_alignment_factor=2, allgather_bucket_size=5e8)
+            times[name].append(time.perf_counter() - started)
+    slowest = torch.tensor([statistics.median(times[name]) for name in times])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"partition_mb": size * 4 / 1e6, **{name: 1e3 * t for name, t in zip(times, slowest.tolist())}}
+
+
 def table(rounds: list[dict[str, list[dict]]], args) -> list[str]:
     """The report: per row the medians over rounds, ratios within each round."""
     def median_of(row, value):
@@ -125,7 +158,7 @@ def table(rounds: list[dict[str, list[dict]]], args) -> list[str]:
              "from before the engine is built.", "",
              "| row | s/step | speed vs DeepSpeed | peak memory growth (MB) | memory vs DeepSpeed | plan |",
              "|---|---:|---:|---:|---:|---|"]
-    for row in rounds[0]:
+    for row in args.rows:
         speed = statistics.median(seconds(r[DEEPSPEED]) / seconds(r[row]) for r in rounds)
         relative_memory = statistics.median(memory(r[row]) / memory(r[DEEPSPEED]) for r in rounds)
         plan = rounds[-1][row][0].get("plan", "DeepSpeed's buckets")
@@ -135,21 +168,29 @@ def table(rounds: list[dict[str, list[dict]]], args) -> list[str]:
         return statistics.median(seconds(r[DEEPSPEED]) / seconds(r[row]) for r in rounds)
 
     lines += ["", "Targets:", ""]
-    uncompressed = [row for row in rounds[0] if row.startswith("gradsync") and row not in COMPRESSED]
+    uncompressed = [row for row in args.rows if row.startswith("gradsync") and row not in COMPRESSED]
     if uncompressed:
         best = max(uncompressed, key=speed_of)
         lines.append(f"- best non-compressing plan ({best}) >= 1.05× DeepSpeed's own: {speed_of(best):.2f}× "
                      f"({'reached' if speed_of(best) >= 1.05 else 'not reached'});")
-    if "gradsync acp_sgd" in rounds[0]:
+    if "gradsync acp_sgd" in args.rows:
         acp_speed = speed_of("gradsync acp_sgd")
         lines.append(f"- acp_sgd >= 2× DeepSpeed's own: {acp_speed:.2f}× "
                      f"({'reached' if acp_speed >= 2 else 'not reached'});")
-    gradsync_rows = [row for row in rounds[0] if row.startswith("gradsync")]
+    gradsync_rows = [row for row in args.rows if row.startswith("gradsync")]
     if gradsync_rows:
         worst_memory = max(statistics.median(memory(r[row]) / memory(r[DEEPSPEED]) for r in rounds)
                            for row in gradsync_rows)
         lines.append(f"- every gradsync row's peak memory within 10% of DeepSpeed's own: largest ratio "
                      f"{worst_memory:.2f} ({'reached' if worst_memory <= 1.10 else 'not reached'}).")
+    from gradsync.deepspeed.gather import PIECE_BYTES, PIECES_IN_FLIGHT
+
+    probes = [r[GATHER][0] for r in rounds]
+    lines += ["", f"ZeRO's all-gather of the updated parameters alone ({probes[0]['partition_mb']:.0f} MB per rank, "
+              "fp32; median over rounds): DeepSpeed's, one all-gather per group, "
+              f"{statistics.median(p['deepspeed'] for p in probes):.0f} ms; gradsync's, in pieces of "
+              f"{PIECE_BYTES // 2**20} MiB, {PIECES_IN_FLIGHT} in flight at a time, {statistics.median(p['gradsync'] for p in probes):.0f} ms. "
+              "Every gradsync row's step gathers this way (over gloo)."]
     return lines + [""]
 
 
@@ -166,7 +207,8 @@ def main() -> None:
     rounds = []
     with netbed(uniform(2, "1gbit")):
         for index in range(args.rounds):
-            results = {}
+            results = {GATHER: launch("benchmarks.deepspeed_zero:gather_probe", 2, timeout=600,
+                                      environment=environment)}
             for row in args.rows:
                 started = time.perf_counter()
                 results[row] = launch("benchmarks.deepspeed_zero:rank_main", 2, row, args.steps, args.warmup,

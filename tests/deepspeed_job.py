@@ -33,12 +33,14 @@ from deepspeed.utils.logging import set_log_level_from_string
 from torch import nn
 
 import gradsync  # noqa: F401  (after deepspeed: its engine honours the "gradsync" section from here on)
+from gradsync.deepspeed import gather
 from gradsync.plan import FORWARD
 
 MICRO_BATCH, FEATURES, OUTPUTS = 8, 8, 4
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 10}}
 QUIET = {"steps_per_print": 10**9, "wall_clock_breakdown": False}
+gather.PIECE_BYTES = 256  # ZeRO's parameter all-gather in several pieces even for this small model
 
 
 def mlp() -> nn.Module:

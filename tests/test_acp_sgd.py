@@ -526,3 +526,27 @@ def test_saved_state_continues_on_another_dtype():
     assert resumed.dtype == torch.float64
     assert torch.allclose(resumed, continued.double(), atol=1e-5)
     assert torch.allclose(restored.errors["w"], codec.errors["w"].double(), atol=1e-5)
+
+
+def test_where_no_step_is_skipped_the_error_is_formed_in_place_with_the_same_results():
+    """``may_skip_steps`` false (wrap's nonfinite="raise"): P and Q steps, and a step in which this
+    rank has no gradient and no rank used the tensor, give the same gradients and errors bit for bit
+    as the two-buffer codec, from one error buffer per matrix."""
+    spec = {"w": TensorSpec("w", 40 * 30, 4, (40, 30))}
+    codecs = [ACPSGD(rank=3), ACPSGD(rank=3)]
+    codecs[1].may_skip_steps = False
+    for codec in codecs:
+        codec.setup(spec, 1, seed=2)
+    generator = torch.Generator().manual_seed(4)
+    for step in range(6):
+        gradient = torch.randn(40, 30, generator=generator)
+        if step == 3:
+            for codec in codecs:  # encoded without a gradient, never finished
+                codec.encode("w", None, step)
+                codec.settle(applied=True)
+            continue
+        two_buffers, in_place = (one_worker_step(codec, "w", gradient, step) for codec in codecs)
+        assert torch.equal(two_buffers, in_place)
+        assert torch.equal(codecs[0].errors["w"], codecs[1].errors["w"])
+    assert codecs[1].errors["w"].abs().max() > 1e-3
+    assert not codecs[1].spares and codecs[0].spares

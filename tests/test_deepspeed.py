@@ -19,7 +19,7 @@ deepspeed = pytest.importorskip("deepspeed")
 
 import gradsync.deepspeed  # noqa: E402
 from gradsync import ConfigError  # noqa: E402
-from gradsync.launch import free_port  # noqa: E402
+from gradsync.launch import free_port, run_local  # noqa: E402
 
 JOB = Path(__file__).with_name("deepspeed_job.py")
 BASE = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -435,3 +435,36 @@ def test_lightnings_deepspeed_strategy_runs_gradsync_from_the_config(tmp_path, d
     assert ran["iterations"] == 6 and len(set(ran["replica_sums"])) == 1
     assert len(ran["monitor"]["Train_gradsync_iteration_time"]) == 6
     assert all(float(row.split(",")[1]) > 0 for row in ran["monitor"]["Train_gradsync_bytes_sent"])
+
+
+def gathered_in_pieces(rank, world_size):
+    """Two groups' partitions (not multiples of a piece) gathered in 40-byte pieces, beside one
+    all-gather of the same; and ZeRO's module holds DeepSpeed's own function again after."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    from gradsync.deepspeed import gather
+
+    own = stage_1_and_2.all_gather_dp_groups
+    gather.PIECE_BYTES = 40
+    flats = [torch.zeros(world_size * size) for size in (23, 5)]
+    partitions = [list(flat.split(flat.numel() // world_size)) for flat in flats]
+    for group, parts in enumerate(partitions):
+        parts[rank].copy_(torch.arange(parts[rank].numel()) + 100 * rank + 1000 * group)
+    group = dist.new_group(backend="gloo")
+    expected = [torch.empty_like(flat) for flat in flats]
+    for whole, parts in zip(expected, partitions):
+        dist.all_gather_into_tensor(whole, parts[rank].clone())
+    pieces = []
+    all_gather = dist.all_gather
+    dist.all_gather = lambda *args, **kwargs: pieces.append(args[1].numel()) or all_gather(*args, **kwargs)
+    with gather.parameters_gathered_in_pieces(group):
+        stage_1_and_2.all_gather_dp_groups(groups_flat=flats, partitioned_param_groups=partitions,
+                                           dp_process_group=[group, group], start_alignment_factor=2,
+                                           allgather_bucket_size=10**9)
+    equal = [torch.equal(flat, whole) for flat, whole in zip(flats, expected)]
+    return equal, pieces, stage_1_and_2.all_gather_dp_groups is own
+
+
+def test_zero_parameters_are_gathered_in_pieces_over_gloo_with_the_same_result():
+    assert run_local(gathered_in_pieces, 2) == [([True, True], [10, 10, 3, 5], True)] * 2

@@ -5,9 +5,11 @@ alternating: on P steps Q = Orth(Q_prev), P = (M + E)·Q, E ← M + E − P·Q�
 P is all-reduced and the gradient is P̄·Qᵀ; on Q steps P = Orth(P_prev), Q = (M + E)ᵀ·P,
 E ← M + E − P·Qᵀ, then Q is all-reduced and the gradient is P·Q̄ᵀ. The averaged factor becomes the
 next step's query ("reuse"); the new error and query become current when the step settles
-(``Codec.settle``), so a step skipped for an inf anywhere leaves them as they were. Vectors, and
-matrices where (n + m)·r·min_compression_rate ≥ n·m, travel uncompressed in the same ops. One all-reduce per step, so WFBP and tensor fusion apply as
-for plain gradients (§IV-B): the runtime plans the P and Q layouts separately on their own sizes.
+(``Codec.settle``), so a step skipped for an inf anywhere leaves them as they were; where no step
+is skipped (``may_skip_steps`` false) the new error is formed over the old, one buffer instead of
+two. Vectors, and matrices where (n + m)·r·min_compression_rate ≥ n·m, travel uncompressed in the
+same ops. One all-reduce per step, so WFBP and tensor fusion apply as for plain gradients (§IV-B):
+the runtime plans the P and Q layouts separately on their own sizes.
 """
 from __future__ import annotations
 
@@ -137,7 +139,10 @@ class ACPSGD(Codec):
             return factor.reshape(-1)
         stored = error_buffer(self.sums, name, matrix)
         deferred = self._deferred_on(name, matrix)
-        total = spare_buffer(self.spares, matrix)
+        # the new sum over the stored one where the step will settle as applied (no step is dropped,
+        # and this rank's gradient means a finish); else beside it, for `settle` to choose
+        in_place = not self.may_skip_steps and grad is not None
+        total = stored if in_place else spare_buffer(self.spares, matrix)
         if fused_update_available(stored, r):  # two products, then the Triton kernel writes the new E
             if deferred is not None:  # state from a CPU run: make the stored sum E itself first
                 stored.addmm_(deferred[0], deferred[1].T, alpha=-1)
@@ -168,6 +173,8 @@ class ACPSGD(Codec):
                 self.deferred.pop(name, None)
             elif accepted:
                 self.deferred[name] = factors
+        if not self.may_skip_steps:  # errors are formed in place: a spare (a tensor no rank used) is not kept
+            self.spares = {}
         if applied:
             for name, (left, right) in self.finished.items():
                 self.p_prev[name], self.q_prev[name] = left, right

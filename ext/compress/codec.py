@@ -22,7 +22,7 @@ class Codec:
     collective = "allreduce"  # or "allgather": the wire of every rank reaches every rank
     per_rank_state = False  # True when state differs between ranks (error feedback)
     # False where a non-finite gradient raises rather than skipping its step (wrap's nonfinite="raise"):
-    # `settle` is then never asked to drop a step, and `finish` may change the state in place
+    # `settle` is then never asked to drop a step, and `encode` and `finish` may change the state in place
     may_skip_steps = True
 
     def setup(self, specs: Mapping[str, TensorSpec], world_size: int, seed: int) -> None:

@@ -220,7 +220,8 @@ def spare_buffer(spares: dict[tuple, list[torch.Tensor]], like: torch.Tensor) ->
 def keep_error(errors: dict[str, torch.Tensor], spares: dict[tuple, list[torch.Tensor]], name: str,
                new_error: torch.Tensor, accepted: bool) -> None:
     """Make `new_error` (a spare_buffer) the error of `name` and spare the old one; or, when the
-    step was not `accepted`, keep the old error and spare `new_error`.
+    step was not `accepted`, keep the old error and spare `new_error`. An error formed in place
+    (`new_error` is the current one) stays.
 
     Args:
         errors: the codec's current error matrices by tensor name (holding `name` when `accepted`).
@@ -229,6 +230,8 @@ def keep_error(errors: dict[str, torch.Tensor], spares: dict[tuple, list[torch.T
         new_error: the error this step computed.
         accepted: whether the step's gradient was applied.
     """
+    if new_error is errors.get(name):
+        return
     if accepted:
         new_error, errors[name] = errors[name], new_error
     spares.setdefault(_buffer_key(new_error), []).append(new_error)

@@ -11,7 +11,8 @@ parameter groups in fp32 and steps it alone; its own hooks reduce the gradients 
 3. the ZeRO optimizer's ``step`` (called by the engine at the boundary) waits for the ops, hands
    ZeRO this rank's partition of the averaged gradients in ZeRO's own layout
    (``_build_compact_grad_partition_buffer``), then runs ZeRO's step unchanged: overflow check and
-   loss scale (fp16, bf16), clipping, the fp32 update and the all-gather of the parameters.
+   loss scale (fp16, bf16), clipping, the fp32 update and the all-gather of the parameters (over
+   gloo in pieces, two in flight at a time: ``gather``).
 The ZeRO optimizer stays the engine's (its class extended, so the engine's ``isinstance`` checks,
 loss scaling and checkpoints hold); its ``state_dict`` carries gradsync's codec state and step,
 each rank's in its own ZeRO checkpoint file.
@@ -28,6 +29,7 @@ from ..runtime import SyncedOptimizer
 from ..runtime.executor import PlanExecutor
 from ..runtime.parameter_table import ParameterTable
 from ..runtime.partition import Partition
+from .gather import parameters_gathered_in_pieces
 
 
 def zero_partition(zero: DeepSpeedZeroOptimizer, table: ParameterTable) -> Partition:
@@ -99,7 +101,8 @@ class ZeroStep(torch.optim.Optimizer):
 
     def step(self, closure=None):
         deliver_partitions(self.zero, self.zero.gradsync.sync.executor)
-        return DeepSpeedZeroOptimizer.step(self.zero)
+        with parameters_gathered_in_pieces(self.zero.real_dp_process_group[0]):
+            return DeepSpeedZeroOptimizer.step(self.zero)
 
 
 class GradSyncZeroOptimizer:
