@@ -152,14 +152,17 @@ def attached_with_partition(rank, world_size):
         name for name, _ in model.named_parameters()) and held == [[None, None]]
     # other plans installed one after another (as auto's trials do): their op buffers are carved from one
     # allocation, grown for the largest (wfbp's: more ops, more flags) and then reused
+    # (the allocation given back after each delivery, as the ZeRO step does, and held again by the next plan)
+    runtime.installed.shared_buffers.release()
     runtime.installed.install(profile, cost, planners.bind("wfbp"))
-    storage = runtime.installed.shared_buffers.storage.untyped_storage().data_ptr()
+    storage = runtime.installed.shared_buffers.storage.untyped_storage()._cdata
     runtime.installed.install(profile, cost, planners.bind("mg_wfbp"))
     runtime.installed.install(profile, cost, planners.bind("wfbp"))
+    runtime.installed.shared_buffers.release()
     optimizer.zero_grad()
     model(inputs).square().sum().backward()
     optimizer.synchronize()
-    shared = {state.buffer.untyped_storage().data_ptr() for state in runtime.executor.ops} == {storage}
+    shared = {state.buffer.untyped_storage()._cdata for state in runtime.executor.ops} == {storage}
     again = list(runtime.executor.reduced_partition())
     owned &= runtime.plan.planner == "wfbp" and sum(v.numel() for _, _, v in again) == sum(
         v.numel() for _, _, v in received) and all(
@@ -185,3 +188,27 @@ def test_shared_op_buffers_are_aligned_views_of_one_allocation_that_grows_when_n
     assert shared.storage.data_ptr() == base == smaller[0].data_ptr()  # reused
     larger = shared.carve([(1000, torch.float32)], torch.device("cpu"))
     assert shared.storage.numel() == 4000 and larger[0].data_ptr() == shared.storage.data_ptr() != base
+
+
+def test_shared_op_buffers_give_their_memory_back_between_steps_and_hold_it_again():
+    """Released (as the ZeRO step does once the partitions are delivered), the allocation holds no
+    memory; held again, its views are usable; an allocation outgrown while released is held for
+    good, for the executors carved from it."""
+    from gradsync.runtime.op_buffers import SharedOpBuffers
+
+    shared = SharedOpBuffers()
+    views = shared.carve([(6, torch.float32), (2, torch.float64)], torch.device("cpu"))
+    shared.release()
+    assert shared.storage.untyped_storage().nbytes() == 0
+    shared.hold()
+    assert shared.storage.untyped_storage().nbytes() == shared.storage.numel()
+    views[0].copy_(torch.arange(6.0))
+    views[1].fill_(2.5)
+    assert views[0].tolist() == [0, 1, 2, 3, 4, 5] and views[1].tolist() == [2.5, 2.5]
+    shared.release()
+    outgrown = shared.storage
+    larger = shared.carve([(1000, torch.float32)], torch.device("cpu"))
+    assert outgrown.untyped_storage().nbytes() == outgrown.numel()
+    views[0].fill_(1.0)
+    larger[0].fill_(3.0)
+    assert views[0].sum() == 6 and larger[0].sum() == 3000

@@ -100,7 +100,10 @@ class ZeroStep(torch.optim.Optimizer):
         self.zero = zero
 
     def step(self, closure=None):
-        deliver_partitions(self.zero, self.zero.gradsync.sync.executor)
+        sync = self.zero.gradsync.sync
+        deliver_partitions(self.zero, sync.executor)
+        if sync.installed.shared_buffers is not None:  # idle until the next backward pass
+            sync.installed.shared_buffers.release()
         with parameters_gathered_in_pieces(self.zero.real_dp_process_group[0]):
             return DeepSpeedZeroOptimizer.step(self.zero)
 

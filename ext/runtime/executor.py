@@ -160,9 +160,11 @@ class PlanExecutor:
         """Each op's buffer: its slices' elements and its flags (a reduce-scatter's flags once per
         rank's segment); carved from `shared` for a plan of reduce-scatters."""
         specs = [self._buffer_spec(op) for op in plan.ops]
+        self.carved_from = None  # the shared allocation this executor's buffers are views of
         if shared is not None and plan.ops and all(op.collective == REDUCE_SCATTER for op in plan.ops):
             devices = {device for _, _, device in specs}
             if len(devices) == 1:
+                self.carved_from = shared
                 return shared.carve([(numel, dtype) for numel, dtype, _ in specs], devices.pop())
         return [torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in specs]
 
@@ -235,6 +237,8 @@ class PlanExecutor:
         """
         if self.times_ops:
             self._record_busy_time()
+        if self.carved_from is not None:  # released after the last step's delivery, perhaps
+            self.carved_from.hold()
         self.done_at = [0.0] * len(self.ops)
         self.step = step
         self.ends_step = ends_step

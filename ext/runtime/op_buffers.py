@@ -27,7 +27,21 @@ class SharedOpBuffers:
             end = -(-end // ALIGN_BYTES) * ALIGN_BYTES
             offsets.append(end)
             end += numel * dtype.itemsize
+        self.hold()  # views are cut from held memory; one outgrown stays held for the executors carved before
         if self.storage is None or self.storage.numel() < end or self.storage.device != device:
             self.storage = torch.empty(end, dtype=torch.uint8, device=device)
         return [self.storage[offset:offset + numel * dtype.itemsize].view(dtype)
                 for offset, (numel, dtype) in zip(offsets, sizes)]
+
+    def release(self) -> None:
+        """Give the allocation's memory back until the next ``hold``, once the step's partitions are
+        delivered: the buffers are idle until the next backward pass, as ZeRO-2 frees its buckets
+        (38 MB of the ZeRO benchmark's peak). Its views stay; touching them before ``hold`` would
+        read freed memory, so every executor carved from it holds it as its iteration starts."""
+        if self.storage is not None:
+            self.storage.untyped_storage().resize_(0)
+
+    def hold(self) -> None:
+        """The allocation's memory back (its contents undefined) where ``release`` gave it away."""
+        if self.storage is not None and self.storage.untyped_storage().nbytes() < self.storage.numel():
+            self.storage.untyped_storage().resize_(self.storage.numel())
