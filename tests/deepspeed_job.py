@@ -9,10 +9,11 @@
    through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches;
 3. ``"nonfinite": "skip"`` with a NaN batch on rank 1, beside plain DeepSpeed (no gradsync section)
    on the same batches without that one, both with a warm-up LR schedule;
-4. every non-compressing scheduler at ZeRO stages 0 (fp32), 1 and 2 (bf16; and fp32 with one),
-   with gradient accumulation and clipping, beside DeepSpeed's own run of the same config;
-5. ``acp_sgd`` under ZeRO stages 1 and 2: training, replicas, and a checkpoint round trip;
-6. fp16 under ZeRO stage 2 with overflowing first steps, beside DeepSpeed's own run.
+4. every non-compressing scheduler at ZeRO stages 0 (fp32 and bf16), 1 and 2 (bf16; and fp32 with
+   one), with gradient accumulation and clipping, beside DeepSpeed's own run of the same config;
+5. ``acp_sgd`` under ZeRO stages 1 and 2, and at stage 0 in bf16: training, replicas, and a
+   checkpoint round trip;
+6. fp16 under ZeRO stages 2 and 0 with overflowing first steps, beside DeepSpeed's own run.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
 With ``--cuda`` (one process per GPU, NCCL) the job runs 6 alone, for the GPU acceptance run.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
@@ -63,7 +64,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 def micro_step(engine, rank: int, step: int) -> float:
     x, y = batch(rank, step)
-    loss = nn.functional.mse_loss(engine(x), y)
+    loss = nn.functional.mse_loss(engine(x.to(next(engine.module.parameters()).dtype)).float(), y)
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -115,11 +116,12 @@ def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transpo
     return result
 
 
-def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0) -> dict:
+def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0, precision: str = "fp32") -> dict:
     steps, saved_at, replay = 24, 16, 4
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": SGD, **QUIET,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}}}
+              "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}},
+              **({precision: {"enabled": True}} if precision != "fp32" else {})}
     model = mlp()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = []
@@ -193,6 +195,7 @@ def skipped_step_against_plain_deepspeed(rank: int, cost_path: str) -> dict:
     return result
 
 
+FP16_RUNS = {"fp16": 2, "fp16_stage0": 0}  # result key -> ZeRO stage
 SCHEDULERS = ("wfbp", "ddp", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte", "auto")
 
 
@@ -203,13 +206,16 @@ def zero_config(stage: int, precision: str, section: dict | None = None) -> dict
               "zero_allow_untested_optimizer": True, **QUIET}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
-    if precision == "fp16":  # 2^20 overflows the first steps: the scaler skips them and lowers the scale
-        config["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 4}
+    if precision == "fp16":  # under ZeRO 2^20 overflows the first steps: the scaler skips them and lowers
+        # the scale. At stage 0 DeepSpeed's engine does not scale the loss for its fp16 optimizer (which
+        # unscales the gradients all the same): the scale starts at 1 there, and a batch overflows instead
+        config["fp16"] = {"enabled": True, "initial_scale_power": 20 if stage else 0, "loss_scale_window": 4}
     return config if section is None else {**config, "gradsync": section}
 
 
-def trained(config: dict, rank: int, steps: int = 10) -> tuple[torch.Tensor, dict]:
-    """The parameters (fp32) after `steps` optimizer steps of plain deepspeed.initialize on `config`."""
+def trained(config: dict, rank: int, steps: int = 10, overflow_at: int | None = None) -> tuple[torch.Tensor, dict]:
+    """The parameters (fp32) after `steps` optimizer steps of plain deepspeed.initialize on `config`;
+    rank 1's micro-batch `overflow_at`, if given, beyond fp16's range."""
     model = mlp()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     accumulation = config["gradient_accumulation_steps"]
@@ -217,6 +223,8 @@ def trained(config: dict, rank: int, steps: int = 10) -> tuple[torch.Tensor, dic
     rescaled = record_error_rescales(engine) if "gradsync" in config and "fp16" in config else []
     for micro in range(steps * accumulation):
         x, y = (tensor.to(engine.device) for tensor in batch(rank, micro))
+        if micro == overflow_at and rank == 1:
+            x = x * 1e6
         dtype = torch.bfloat16 if "bf16" in config else torch.float16 if "fp16" in config else torch.float32
         engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
         engine.step()
@@ -258,8 +266,8 @@ def bf16_ulps(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 def stages_against_deepspeed(rank: int, cost_path: str) -> dict:
     """Per stage, precision and scheduler: gradsync's parameters beside DeepSpeed's own run."""
     results = {}
-    for stage, precision, schedulers in ((0, "fp32", SCHEDULERS), (1, "bf16", SCHEDULERS), (2, "bf16", SCHEDULERS),
-                                         (1, "fp32", ("us_byte",)), (2, "fp32", ("mg_wfbp",))):
+    for stage, precision, schedulers in ((0, "fp32", SCHEDULERS), (0, "bf16", SCHEDULERS), (1, "bf16", SCHEDULERS),
+                                         (2, "bf16", SCHEDULERS), (1, "fp32", ("us_byte",)), (2, "fp32", ("mg_wfbp",))):
         reference, plain = trained(zero_config(stage, precision), rank)
         for scheduler in schedulers:
             ours, info = trained(zero_config(stage, precision, {"scheduler": scheduler, "cost": cost_path}), rank)
@@ -271,17 +279,20 @@ def stages_against_deepspeed(rank: int, cost_path: str) -> dict:
     return results
 
 
-def fp16_against_deepspeed(rank: int, cost_path: str) -> dict:
-    """fp16 under ZeRO stage 2, the first steps overflowing: gradsync uncompressed and with acp_sgd,
-    beside DeepSpeed's own run. The CPU accelerator declares no fp16 support though its kernels
-    compute in fp16: the job lifts that flag (the same run on CUDA is in the GPU acceptance run)."""
+def fp16_against_deepspeed(rank: int, cost_path: str, stage: int) -> dict:
+    """fp16 under ZeRO `stage` (2: ZeRO's optimizer, the first steps overflowing; 0: DeepSpeed's fp16
+    optimizer, one batch overflowing): gradsync uncompressed and with acp_sgd, beside DeepSpeed's
+    own run. The CPU
+    accelerator declares no fp16 support though its kernels compute in fp16: the job lifts that
+    flag (the same runs on CUDA are in the GPU acceptance run)."""
     if get_accelerator().device_name() == "cpu":
         get_accelerator().is_fp16_supported = lambda: True
-    reference, plain = trained(zero_config(2, "fp16"), rank)
+    overflow_at = None if stage else 4  # the third step's first micro-batch (see zero_config)
+    reference, plain = trained(zero_config(stage, "fp16"), rank, overflow_at=overflow_at)
     results = {"deepspeed": plain}
     for name, section in (("us_byte", {"scheduler": "us_byte"}),
                           ("acp_sgd", {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}})):
-        ours, info = trained(zero_config(2, "fp16", {**section, "cost": cost_path}), rank)
+        ours, info = trained(zero_config(stage, "fp16", {**section, "cost": cost_path}), rank, overflow_at=overflow_at)
         sums = [None] * dist.get_world_size()
         dist.all_gather_object(sums, ours.double().sum().item())
         results[name] = {**info, "replicas_equal": len(set(sums)) == 1,
@@ -309,7 +320,7 @@ def main() -> None:
               "accelerator": get_accelerator().device_name()}
     if args.cuda:
         torch.cuda.set_device(args.local_rank)
-        result["fp16"] = fp16_against_deepspeed(rank, str(cost_path))
+        result.update({key: fp16_against_deepspeed(rank, str(cost_path), stage) for key, stage in FP16_RUNS.items()})
     else:
         result.update(cpu_runs(rank, cost_path, args.out))
     result["seconds"] = time.perf_counter() - started
@@ -327,9 +338,10 @@ def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
             "acp_sgd": compressed_with_checkpoint(rank, out / "checkpoint"),
             **{f"acp_sgd_zero{stage}": compressed_with_checkpoint(rank, out / f"checkpoint{stage}", stage)
                for stage in (1, 2)},
+            "acp_sgd_bf16": compressed_with_checkpoint(rank, out / "checkpoint_bf16", 0, "bf16"),
             "skip": skipped_step_against_plain_deepspeed(rank, cost),
             "stages": stages_against_deepspeed(rank, cost),
-            "fp16": fp16_against_deepspeed(rank, cost)}
+            **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()}}
 
 
 if __name__ == "__main__":

@@ -322,7 +322,7 @@ STEPS = [
               "tests/test_comm_hooks.py::test_a_step_the_grad_scaler_skips_on_cuda_leaves_training_as_without_it"),
     test_step("lightning", 'Lightning Trainer(strategy="acp_sgd", accelerator="gpu", devices=1)',
               "every test passes", 240, "tests/test_lightning.py::test_registered_names_train_on_one_gpu"),
-    test_step("deepspeed", "DeepSpeed's engine with the gradsync section on CUDA: ZeRO-2 fp16 with overflows, and "
+    test_step("deepspeed", "DeepSpeed's engine with the gradsync section on CUDA: fp16 with overflows at ZeRO stages 2 and 0, and "
               "Lightning's DeepSpeedStrategy", "every test passes", 300,
               "tests/test_deepspeed.py::test_fp16_overflows_are_skipped_as_deepspeed_skips_them_on_cuda",
               "tests/test_deepspeed.py::test_lightnings_deepspeed_strategy_runs_gradsync_from_the_config"),

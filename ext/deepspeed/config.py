@@ -62,8 +62,7 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
     """Refuse DeepSpeed settings under which gradsync cannot own the gradient synchronisation.
 
     Refused: ZeRO stage 3; under stages 1 and 2 offloading, ZenFlow, DeepCompile, a
-    ``grad_accum_dtype`` and Muon; ``fp16``/``bf16`` mixed precision at stage 0 (accepted at stages
-    1 and 2), ``nonfinite`` "raise" with fp16, ``torch_autocast`` with float16,
+    ``grad_accum_dtype`` and Muon; ``nonfinite`` "raise" with fp16, ``torch_autocast`` with float16,
     ``managed_gradient_accumulation`` off, no optimizer at all, a compressor combined with
     DeepSpeed's compressed optimizers, a ``communication_data_type`` other than the model's dtype,
     a ``gradient_allreduce_op`` other than mean, model, tensor, sequence or expert parallelism,
@@ -89,10 +88,6 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
                           "gradient to synchronise; use stage 1 or 2")
     _check_zero(config, optimizer)
     precision = _precision(config)
-    if precision != "fp32" and stage == 0:
-        raise ConfigError(f"gradsync supports '{precision}.enabled' with ZeRO stage 1 or 2: at stage 0 DeepSpeed's "
-                          f"{precision} optimizer keeps its own fp32 gradients; set 'zero_optimization.stage' to 1 "
-                          "or 2, or use 'torch_autocast' with dtype bfloat16")
     if precision == "fp16" and ds_config[SECTION].get("nonfinite") == "raise":
         raise ConfigError(f"'{SECTION}.nonfinite' 'raise' would stop at the first fp16 overflow, which DeepSpeed's "
                           "dynamic loss scaler expects and skips: use 'ignore' (the default with fp16) or 'skip'")

@@ -7,11 +7,12 @@ all-reduce:
 - ``engine.enable_backward_allreduce = False`` switches DeepSpeed's own all-reduce off;
 - gradsync's hooks on ``engine.module`` launch the plan's ops during the backward pass of an
   accumulation boundary (the other micro-batches accumulate locally, as under ``no_sync``);
-- at ZeRO stage 0 ``engine.optimizer`` becomes gradsync's SyncedOptimizer (``deepspeed.initialize``
-  returns it), so the ``optimizer.step()`` DeepSpeed calls at the boundary waits for the ops and
-  applies (or defers) the update, and the optimizer state DeepSpeed checkpoints carries gradsync's
-  codec state and step; at stages 1 and 2 the ZeRO optimizer stays, taken over as
-  ``gradsync.deepspeed.zero`` describes;
+- at ZeRO stage 0 in fp32 ``engine.optimizer`` becomes gradsync's SyncedOptimizer
+  (``deepspeed.initialize`` returns it), so the ``optimizer.step()`` DeepSpeed calls at the
+  boundary waits for the ops and applies (or defers) the update, and the optimizer state DeepSpeed
+  checkpoints carries gradsync's codec state and step; DeepSpeed's own optimizer stays where it
+  wraps the user's (fp16 and bf16 at stage 0, ZeRO's at stages 1 and 2), taken over as
+  ``gradsync.deepspeed.takeover`` and ``gradsync.deepspeed.zero`` describe;
 - a step skipped for non-finite gradients (``"nonfinite": "skip"``) is the optimizer's
   ``overflow``, as DeepSpeed's fp16 optimizers report one: the engine counts it in
   ``skipped_steps``, ``was_step_applied()`` is False and the LR scheduler does not advance;
@@ -23,13 +24,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import log_dist
 
 from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, no_sync
 from ..runtime.parameter_table import ParameterTable
 from .config import SECTION, check_engine_config, default_nonfinite, wrap_arguments
-from .zero import ZeroStep, extended, take_over, zero_partition
+from .takeover import OwnStep, extended, take_over
+from .zero import ZeroStep, take_over as take_over_zero, zero_partition
+
+MIXED_PRECISION_OPTIMIZERS = (FP16_Optimizer, FP16_UnfusedOptimizer)  # stage 0's fp16 and bf16
 
 MONITOR_PREFIX = "Train/gradsync/"
 
@@ -62,14 +68,20 @@ def attach(engine, arguments: WrapArguments) -> None:
     """Turn off the engine's all-reduce and attach gradsync with the checked `arguments`;
     ``engine.gradsync`` is the runtime (``engine.gradsync.report()``: plans, trials, statistics).
     Under ZeRO stages 1 and 2 gradsync delivers each rank its partition to DeepSpeed's ZeRO
-    optimizer, which stays the engine's (``gradsync.deepspeed.zero``); at stage 0 the engine's
-    optimizer becomes gradsync's SyncedOptimizer."""
+    optimizer, which stays the engine's (``gradsync.deepspeed.zero``), as DeepSpeed's fp16 or bf16
+    optimizer does at stage 0 (``gradsync.deepspeed.takeover``: its step reads the averaged
+    gradients); at stage 0 in fp32 the engine's optimizer becomes gradsync's SyncedOptimizer."""
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         zero = engine.optimizer
         table = ParameterTable.of(engine.module)
         _, synced = attach_runtime(engine.module, ZeroStep(zero, list(table.parameters.values())), arguments,
                                    partition=zero_partition(zero, table))
-        take_over(zero, synced)
+        take_over_zero(zero, synced)
+    elif isinstance(engine.optimizer, MIXED_PRECISION_OPTIMIZERS):
+        own = engine.optimizer
+        _, synced = attach_runtime(engine.module, OwnStep(own, list(ParameterTable.of(engine.module).parameters.values())),
+                                   arguments)
+        take_over(own, synced)
     else:
         _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
         engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)

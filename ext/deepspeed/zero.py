@@ -13,15 +13,11 @@ parameter groups in fp32 and steps it alone; its own hooks reduce the gradients 
    (``_build_compact_grad_partition_buffer``), then runs ZeRO's step unchanged: overflow check and
    loss scale (fp16, bf16), clipping, the fp32 update and the all-gather of the parameters (over
    gloo in pieces, two in flight at a time: ``gather``).
-The ZeRO optimizer stays the engine's (its class extended, so the engine's ``isinstance`` checks,
-loss scaling and checkpoints hold); its ``state_dict`` carries gradsync's codec state and step,
-each rank's in its own ZeRO checkpoint file.
+The ZeRO optimizer stays the engine's (``takeover``); its ``state_dict`` carries gradsync's codec
+state and step, each rank's in its own ZeRO checkpoint file.
 """
 from __future__ import annotations
 
-from functools import cache
-
-import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -30,6 +26,7 @@ from ..runtime.executor import PlanExecutor
 from ..runtime.parameter_table import ParameterTable
 from ..runtime.partition import Partition
 from .gather import parameters_gathered_in_pieces
+from .takeover import GradSyncOptimizer, OwnStep, take_over as take_over_own
 
 
 def zero_partition(zero: DeepSpeedZeroOptimizer, table: ParameterTable) -> Partition:
@@ -91,51 +88,22 @@ def deliver_partitions(zero: DeepSpeedZeroOptimizer, executor: PlanExecutor) -> 
         zero.averaged_gradients[index] = group
 
 
-class ZeroStep(torch.optim.Optimizer):
+class ZeroStep(OwnStep):
     """What gradsync's runtime steps under ZeRO: the module's parameters, whose ``step`` hands the
     ZeRO optimizer this rank's partitions of the averaged gradients and runs its own step."""
 
-    def __init__(self, zero: DeepSpeedZeroOptimizer, parameters):
-        super().__init__(parameters, {})
-        self.zero = zero
-
     def step(self, closure=None):
-        sync = self.zero.gradsync.sync
-        deliver_partitions(self.zero, sync.executor)
+        sync = self.owner.gradsync.sync
+        deliver_partitions(self.owner, sync.executor)
         if sync.installed.shared_buffers is not None:  # idle until the next backward pass
             sync.installed.shared_buffers.release()
-        with parameters_gathered_in_pieces(self.zero.real_dp_process_group[0]):
-            return DeepSpeedZeroOptimizer.step(self.zero)
+        with parameters_gathered_in_pieces(self.owner.real_dp_process_group[0]):
+            return self.owner.own_step()
 
 
-class GradSyncZeroOptimizer:
-    """Overrides mixed into the engine's ZeRO optimizer's own class (``take_over``)."""
-
-    gradsync: SyncedOptimizer  # the runtime's view: its step waits for the ops, then ``ZeroStep``
-
-    def step(self, closure=None):
-        """gradsync's step: wait for the plan's ops, then ZeRO's step on the delivered partitions;
-        a step gradsync skipped for non-finite gradients is ZeRO's ``overflow``. When ZeRO's
-        dynamic loss scaler changes the scale, the compressor's error feedback follows."""
-        scale = self.loss_scale
-        self.gradsync.step()
-        if self.gradsync.sync.last_step_skipped:
-            self.overflow = True
-        if self.loss_scale != scale:
-            self.gradsync.sync.loss_scale_changed(self.loss_scale / scale)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.gradsync.zero_grad(set_to_none)
-        super().zero_grad(set_to_none)
-
-    def synchronize(self) -> None:
-        """Finish every outstanding op (as gradsync's SyncedOptimizer's)."""
-        self.gradsync.synchronize()
-
-    def state_dict(self):
-        """ZeRO's state of this rank's partition, and gradsync's (a collective with per-rank codec
-        state: DeepSpeed saves the optimizer on every rank)."""
-        return {**super().state_dict(), "gradsync": self.gradsync.sync.state_dict()}
+class GradSyncZeroOptimizer(GradSyncOptimizer):
+    """The overrides for ZeRO's optimizer, which DeepSpeed saves and loads on every rank from its
+    own file."""
 
     def load_state_dict(self, state_dict_list, *args, **kwargs):
         """ZeRO's load; gradsync's state from this rank's entry (DeepSpeed loads its own file)."""
@@ -144,7 +112,7 @@ class GradSyncZeroOptimizer:
             self.gradsync.sync.load_state_dict(mine["gradsync"])
         stripped = [None if state is None else {k: v for k, v in state.items() if k != "gradsync"}
                     for state in state_dict_list]
-        return super().load_state_dict(stripped, *args, **kwargs)
+        return super(GradSyncOptimizer, self).load_state_dict(stripped, *args, **kwargs)  # ZeRO's own
 
 
 def take_over(zero: DeepSpeedZeroOptimizer, synced: SyncedOptimizer) -> None:
@@ -153,14 +121,5 @@ def take_over(zero: DeepSpeedZeroOptimizer, synced: SyncedOptimizer) -> None:
     for handle in zero._grad_acc_hooks:
         handle.remove()
     zero._grad_acc_hooks.clear()
-    synced.sync.wait_at_backward_end = True  # ZeRO's step updates every partition at once
-    zero.gradsync = synced
     zero.gradsync_places = partition_places(zero)
-    zero.__class__ = extended(GradSyncZeroOptimizer, type(zero))
-
-
-@cache
-def extended(overrides: type, base: type) -> type:
-    """`base` with the methods of `overrides` first, named "GradSync<base>" (one class per pair),
-    for an object of `base` that DeepSpeed built to become gradsync's in place."""
-    return type(f"GradSync{base.__name__}", (overrides, base), {})
+    take_over_own(zero, synced, GradSyncZeroOptimizer)
