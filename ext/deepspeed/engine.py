@@ -79,8 +79,8 @@ def attach(engine, arguments: WrapArguments) -> None:
         take_over_zero(zero, synced)
     elif isinstance(engine.optimizer, MIXED_PRECISION_OPTIMIZERS):
         own = engine.optimizer
-        _, synced = attach_runtime(engine.module, OwnStep(own, list(ParameterTable.of(engine.module).parameters.values())),
-                                   arguments)
+        parameters = list(ParameterTable.of(engine.module).parameters.values())
+        _, synced = attach_runtime(engine.module, OwnStep(own, parameters), arguments)
         take_over(own, synced)
     else:
         _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
