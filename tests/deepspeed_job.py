@@ -13,7 +13,8 @@
    one), with gradient accumulation and clipping, beside DeepSpeed's own run of the same config;
 5. ``acp_sgd`` under ZeRO stages 1 and 2, and at stage 0 in bf16: training, replicas, and a
    checkpoint round trip;
-6. fp16 under ZeRO stages 2 and 0 with overflowing first steps, beside DeepSpeed's own run.
+6. fp16 under ZeRO stage 2 with overflowing first steps, and at stage 0 with an overflowing batch,
+   beside DeepSpeed's own run.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
 With ``--cuda`` (one process per GPU, NCCL) the job runs 6 alone, for the GPU acceptance run.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
@@ -282,9 +283,8 @@ def stages_against_deepspeed(rank: int, cost_path: str) -> dict:
 def fp16_against_deepspeed(rank: int, cost_path: str, stage: int) -> dict:
     """fp16 under ZeRO `stage` (2: ZeRO's optimizer, the first steps overflowing; 0: DeepSpeed's fp16
     optimizer, one batch overflowing): gradsync uncompressed and with acp_sgd, beside DeepSpeed's
-    own run. The CPU
-    accelerator declares no fp16 support though its kernels compute in fp16: the job lifts that
-    flag (the same runs on CUDA are in the GPU acceptance run)."""
+    own run. The CPU accelerator declares no fp16 support though its kernels compute in fp16: the
+    job lifts that flag (the same runs on CUDA are in the GPU acceptance run)."""
     if get_accelerator().device_name() == "cpu":
         get_accelerator().is_fp16_supported = lambda: True
     overflow_at = None if stage else 4  # the third step's first micro-batch (see zero_config)

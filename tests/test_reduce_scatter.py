@@ -153,12 +153,12 @@ def attached_with_partition(rank, world_size):
     # other plans installed one after another (as auto's trials do): their op buffers are carved from one
     # allocation, grown for the largest (wfbp's: more ops, more flags) and then reused
     # (the allocation given back after each delivery, as the ZeRO step does, and held again by the next plan)
-    runtime.installed.shared_buffers.release()
+    runtime.executor.release_buffers()
     runtime.installed.install(profile, cost, planners.bind("wfbp"))
     storage = runtime.installed.shared_buffers.storage.untyped_storage()._cdata
     runtime.installed.install(profile, cost, planners.bind("mg_wfbp"))
     runtime.installed.install(profile, cost, planners.bind("wfbp"))
-    runtime.installed.shared_buffers.release()
+    runtime.executor.release_buffers()
     optimizer.zero_grad()
     model(inputs).square().sum().backward()
     optimizer.synchronize()

@@ -93,10 +93,9 @@ class ZeroStep(OwnStep):
     ZeRO optimizer this rank's partitions of the averaged gradients and runs its own step."""
 
     def step(self, closure=None):
-        sync = self.owner.gradsync.sync
-        deliver_partitions(self.owner, sync.executor)
-        if sync.installed.shared_buffers is not None:  # idle until the next backward pass
-            sync.installed.shared_buffers.release()
+        executor = self.owner.gradsync.sync.executor
+        deliver_partitions(self.owner, executor)
+        executor.release_buffers()  # idle until the next backward pass
         with parameters_gathered_in_pieces(self.owner.real_dp_process_group[0]):
             return self.owner.own_step()
 

@@ -462,6 +462,12 @@ class PlanExecutor:
             self.wait(index)
         self._finish()
 
+    def release_buffers(self) -> None:
+        """Give the memory of the shared op buffers back once this step's partition is read
+        (``reduced_partition``): idle until the next iteration, whose start holds it again."""
+        if self.carved_from is not None:
+            self.carved_from.release()
+
     def reduced_partition(self):
         """This rank's elements of the averaged gradients, as a plan of reduce-scatters received
         them: (tensor, start, values) for elements [start, start + len(values)) of the flattened
