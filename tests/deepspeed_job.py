@@ -35,7 +35,7 @@ from deepspeed.utils.logging import set_log_level_from_string
 from torch import nn
 
 import gradsync  # noqa: F401  (after deepspeed: its engine honours the "gradsync" section from here on)
-from gradsync.deepspeed import gather
+from gradsync.deepspeed import gather, zero
 from gradsync.plan import FORWARD
 
 MICRO_BATCH, FEATURES, OUTPUTS = 8, 8, 4
@@ -43,6 +43,16 @@ SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 10}}
 QUIET = {"steps_per_print": 10**9, "wall_clock_breakdown": False}
 gather.PIECE_BYTES = 256  # ZeRO's parameter all-gather in several pieces even for this small model
+HOST_MEMORY_RELEASES = []  # one entry per release by gradsync's ZeRO step
+_release = zero.release_freed_host_memory
+
+
+def _counted_release() -> None:
+    HOST_MEMORY_RELEASES.append(None)
+    _release()
+
+
+zero.release_freed_host_memory = _counted_release
 
 
 def mlp() -> nn.Module:
@@ -125,6 +135,7 @@ def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0, preci
               **({precision: {"enabled": True}} if precision != "fp32" else {})}
     model = mlp()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    releases_before = len(HOST_MEMORY_RELEASES)
     losses = []
     for step in range(saved_at):
         losses.append(micro_step(engine, rank, step))
@@ -159,7 +170,8 @@ def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0, preci
               "checkpoint_gradsync": {k: v for k, v in saved.items() if k in ("codec", "step", "world_size")},
               "checkpoint_per_rank_entries": len(saved["per_rank"] or []),
               "replica_checksums": checksums, "codec": engine.gradsync.codec.name,
-              "optimizer": type(engine.optimizer).__name__}
+              "optimizer": type(engine.optimizer).__name__,
+              "host_memory_releases": len(HOST_MEMORY_RELEASES) - releases_before}
     engine.destroy()
     return result
 
@@ -271,12 +283,14 @@ def stages_against_deepspeed(rank: int, cost_path: str) -> dict:
                                          (2, "bf16", SCHEDULERS), (1, "fp32", ("us_byte",)), (2, "fp32", ("mg_wfbp",))):
         reference, plain = trained(zero_config(stage, precision), rank)
         for scheduler in schedulers:
+            releases_before = len(HOST_MEMORY_RELEASES)
             ours, info = trained(zero_config(stage, precision, {"scheduler": scheduler, "cost": cost_path}), rank)
             sums = [None] * dist.get_world_size()
             dist.all_gather_object(sums, ours.double().sum().item())
             results[f"{stage} {precision} {scheduler}"] = {
                 **info, "deepspeed_optimizer": plain["optimizer"], "replicas_equal": len(set(sums)) == 1,
-                "max_abs_difference": (ours - reference).abs().max().item(), "bf16_ulps": bf16_ulps(ours, reference)}
+                "max_abs_difference": (ours - reference).abs().max().item(), "bf16_ulps": bf16_ulps(ours, reference),
+                "host_memory_releases": len(HOST_MEMORY_RELEASES) - releases_before}
     return results
 
 

@@ -13,16 +13,25 @@ parameter groups in fp32 and steps it alone; its own hooks reduce the gradients 
    (``_build_compact_grad_partition_buffer``), then runs ZeRO's step unchanged: overflow check and
    loss scale (fp16, bf16), clipping, the fp32 update and the all-gather of the parameters (over
    gloo in pieces, two in flight at a time: ``gather``).
+A compressor's plan holds the whole gradients until this step (its codec decodes into them), where
+DeepSpeed's own reduction frees each in the backward pass. Live past the backward pass, they pin
+the heap's free pages below them in resident memory (glibc trims only the heap's top), under ZeRO's
+update and its temporaries. Where ZeRO updates on the host, the step hands those pages back before
+the update (``runtime.host_memory``). Measured with
+``benchmarks.deepspeed_zero`` (acp_sgd, ZeRO-2, 2 ranks): peak resident memory 1.15 → 1.02 of
+DeepSpeed's own run's, the step 3.6% slower (334 → 346 ms).
 The ZeRO optimizer stays the engine's (``takeover``); its ``state_dict`` carries gradsync's codec
 state and step, each rank's in its own ZeRO checkpoint file.
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from ..runtime import SyncedOptimizer
 from ..runtime.executor import PlanExecutor
+from ..runtime.host_memory import release_freed_host_memory
 from ..runtime.parameter_table import ParameterTable
 from ..runtime.partition import Partition
 from .gather import parameters_gathered_in_pieces
@@ -96,6 +105,8 @@ class ZeroStep(OwnStep):
         executor = self.owner.gradsync.sync.executor
         deliver_partitions(self.owner, executor)
         executor.release_buffers()  # idle until the next backward pass
+        if not executor.releases_gradients and torch.device(self.owner.device).type == "cpu":
+            release_freed_host_memory()
         with parameters_gathered_in_pieces(self.owner.real_dp_process_group[0]):
             return self.owner.own_step()
 

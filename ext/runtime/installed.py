@@ -24,7 +24,7 @@ from ..profile import ModelProfile
 from .channels import Channels
 from .compute_speed import ComputeSpeed
 from .executor import PlanExecutor
-from .measure.probes import release_freed_host_memory
+from .host_memory import release_freed_host_memory
 from .op_buffers import SharedOpBuffers
 from .over_ranks import StartReduction, reduction_over_ranks
 from .parameter_table import ParameterTable

@@ -6,8 +6,6 @@ communication from the two timed alone and together, and the computing thread's 
 (`host`) from computation run with and without small ops launched between its slices."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from dataclasses import replace
 
@@ -147,16 +145,6 @@ def next_probe_size(sizes: list[int], times: list[float], largest_bytes: int) ->
     if size >= LARGEST_PROBE_BYTES or (size >= largest_bytes and times[-1] >= RESOLVED * times[0]):
         return None
     return min(LARGEST_PROBE_BYTES, int(largest_bytes) if size < largest_bytes < 4 * size else 4 * size)
-
-
-def release_freed_host_memory() -> None:
-    """Hand the host memory that the probes freed back to the OS (glibc's ``malloc_trim``; nothing
-    where the C library has none): the heap would keep their pages, and training's own allocations,
-    of other sizes, would come on top of them in the job's peak."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
 
 
 class ProbeWork:
