@@ -217,9 +217,15 @@ ROWS = {
     "powersgd": Row("gradsync powersgd", scheduler="auto", compressor=low_rank("powersgd")),
     "acp_sgd": Row("gradsync acp_sgd", scheduler="auto", compressor=low_rank("acp_sgd")),
     "forest": Row("gradsync forest", scheduler="auto", transport="forest"),
+    # the cost of giving every rank rank 0's buffers in each backward pass, on plans that overlap the next forward
+    "us_byte_no_buffers": Row("gradsync us_byte without buffer broadcast", scheduler="us_byte",
+                              options={"broadcast_buffers": False}),
+    "mg_wfbp_overlap_no_buffers": Row("gradsync mg_wfbp overlapping, without buffer broadcast", scheduler="mg_wfbp",
+                                      options={"overlap_forward": True, "broadcast_buffers": False}),
 }
 TOPOLOGY_ROWS = ("forest",)  # rows that need a --topology run
-ON_REQUEST_ROWS = ("mg_wfbp_overlap", "optimal_merge_overlap")  # run only where --rows names them
+ON_REQUEST_ROWS = ("mg_wfbp_overlap", "optimal_merge_overlap", "us_byte_no_buffers",
+                   "mg_wfbp_overlap_no_buffers")  # run only where --rows names them
 OVERHEAD_PAIR = (ROWS["ddp"].label, ROWS["ddp_buckets"].label)
 UNTIMED_STEPS = 1  # per block, before its clock starts (see the module docstring)
 OVERHEAD_PAIRS = 4  # blocks of each per round, alternating: the overhead's same-round samples

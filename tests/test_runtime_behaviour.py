@@ -606,6 +606,47 @@ def test_an_evaluation_forward_on_one_rank_runs_no_collective():
     assert first == second  # the training forward gave every rank rank 0's buffers (same inputs)
 
 
+def buffers_sent_before_the_plans_ops(rank, world_size):
+    """A synchronised backward pass of a plan whose ops overlap the next forward (their waits
+    deferred), on a model whose BatchNorm statistics differ per rank: the order in which the
+    buffers' broadcast and the plan's ops start, the buffers after the backward pass, and rank 0's
+    buffers as its forward left them."""
+    import torch.distributed as dist
+    from gradsync.runtime.channels import Channels
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="mg_wfbp",
+                                     overlap_forward=True, profile=synthetic_profile(model), cost=COST, timeout=20)
+    started = []
+    broadcast, all_reduce = dist.broadcast, Channels.all_reduce
+    dist.broadcast = lambda *args, **kwargs: started.append("broadcast") or broadcast(*args, **kwargs)
+    Channels.all_reduce = lambda *args, **kwargs: started.append("op") or all_reduce(*args, **kwargs)
+    try:
+        outputs = model(torch.randn(6, 4, generator=torch.Generator().manual_seed(rank)))
+        after_forward = [b.tolist() for b in model[1].buffers()]
+        outputs.sum().backward()
+    finally:
+        dist.broadcast, Channels.all_reduce = broadcast, all_reduce
+    after_backward = [b.tolist() for b in model[1].buffers()]
+    deferred = sum(op.gates_forward for op in attached(model).plan.ops)
+    optimizer.step()
+    attached(model).detach()
+    return started, after_forward, after_backward, deferred
+
+
+def test_the_buffers_broadcast_goes_before_the_plans_ops():
+    """Sent once the forward is done and before any op of the plan, the buffers never wait on a
+    shared link behind gradients whose waits the plan defers to the next forward; after the
+    backward pass every rank holds rank 0's buffers as its forward left them."""
+    results = run_local(buffers_sent_before_the_plans_ops, 2, timeout=120)
+    for started, _, after_backward, deferred in results:
+        assert deferred > 0 and "op" in started
+        assert started[0] == "broadcast" and started.count("broadcast") == 1
+        assert after_backward == results[0][1]
+    assert results[1][1] != results[0][1]  # the ranks' own statistics differed before the broadcast
+
+
 def test_profile_that_does_not_match_the_model_is_refused():
     model = TiedNet()
     wrong = synthetic_profile(torch.nn.Sequential(torch.nn.Linear(3, 3)))

@@ -272,7 +272,8 @@ def stalled_peer(rank, world_size, where, released):
         return stalled
 
     modules = {"runtime": runtime, "engine": engine, "installed": installed, "calibration": calibration,
-               "trials": trials, "PlanTrials": trials.PlanTrials, "PendingReduction": PendingReduction}
+               "trials": trials, "PlanTrials": trials.PlanTrials, "PendingReduction": PendingReduction,
+               "GradSync": engine.GradSync}
     module, attribute, options = STALL_POINTS[where]
     if rank == 1 and module is not None:
         setattr(modules[module], attribute, stalling(getattr(modules[module], attribute)))
@@ -312,7 +313,7 @@ STALL_POINTS = {
     "probes": ("runtime", "measure_cost", {"cost": "measure"}),
     "layer times": ("calibration", "gather_from_all", {"profile": "measure"}),
     "trials": ("PlanTrials", "_end_round", {"scheduler": "auto", "profile": "measure"}),
-    "buffers": ("engine", "_broadcast_from_first", {}),
+    "buffers": ("GradSync", "_start_buffers_broadcast", {}),
     # a watcher's reduction over the ranks (the compute speed's, after 8 iterations) is read an
     # iteration later: the peer is missed first at that iteration's first collective, here the
     # gradients' communication (the buffers are not broadcast) and else the buffers' broadcast
@@ -324,9 +325,9 @@ NAMED = {"wrap": "the start of gradsync.wrap", "settings": "the settings check o
          "parameters": "the broadcast of rank 0's parameters and buffers at gradsync.wrap",
          "seed": "the codec's seed at gradsync.wrap", "plan hash": "the plan hash check",
          "probes": "the network probes at gradsync.wrap", "layer times": "the gather of the ranks' layer times",
-         "trials": "the plan trials' result", "buffers": "the broadcast of rank 0's buffers after the backward pass",
+         "trials": "the plan trials' result", "buffers": "the broadcast of rank 0's buffers in the backward pass",
          "watchers": "the gradients' communication (op",
-         "watchers, buffers": "the broadcast of rank 0's buffers after the backward pass",
+         "watchers, buffers": "the broadcast of rank 0's buffers in the backward pass",
          "state_dict": "state_dict's gather of every rank's error feedback"}
 
 

@@ -89,7 +89,8 @@ def wrap(
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any: the backward pass
             then ends once the gradients are averaged (the scaler reads them before the step), and
             a compressor's error feedback follows each change of its scale.
-        broadcast_buffers: give every rank rank 0's buffers after each backward pass, as DDP does.
+        broadcast_buffers: give every rank rank 0's buffers in each synchronised backward pass (as
+            its forward left them), ready for the next forward, as DDP does.
         warmup_iterations, measure_iterations: iterations skipped, then timed, by ``profile="measure"``.
         plan_trials: with a choosing scheduler (``auto``) and a measured profile, how many plans to
             time on the job (torch DDP's buckets, auto's choice, the next best predicted): DDP's are

@@ -5,9 +5,10 @@ Lifecycle of one iteration:
    as does any other module holding one of them (tied weights); modules whose own forward did not
    run in a forward pass (e.g. nn.MultiheadAttention's out_proj, whose weight its parent reads
    directly) are updated when the model's forward starts;
-2. backward: each parameter's post-accumulate-grad hook marks it ready; ops launch in plan order
-   per channel as their slices become ready; when the backward pass ends, the remaining
-   (forward-phase) ops launch and the buffers are broadcast from the first rank;
+2. backward: the first gradient's hook starts the broadcast of the first rank's buffers (ahead
+   of every op), then each parameter's post-accumulate-grad hook marks it ready; ops launch in
+   plan order per channel as their slices become ready; when the backward pass ends, the remaining
+   (forward-phase) ops launch and the buffers' broadcast is waited for;
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
    parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
    when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
@@ -22,6 +23,7 @@ import atexit
 import time
 import weakref
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,7 @@ class GradSync:
         self.step_unsettled = False  # the last synchronised backward's step, counted once its ops are all in
         self.rounds_now: tuple[str, ...] = ()  # the wire layouts the current iteration sends
         self.executor: PlanExecutor | None = None  # the one running the current iteration
+        self.buffers_arriving: Callable[[], None] | None = None  # completes the backward pass's buffer broadcast
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
         self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
@@ -166,6 +169,10 @@ class GradSync:
         if self.loss_scale is not None:
             self.loss_scale.follow(self.codec)
         self.executor = self.installed.executors[self.rounds_now[0]]
+        if self.broadcast_buffers:  # the next forward reads rank 0's buffers, as after DDP's synchronised
+            # forwards (every rank takes part, even if one evaluates alone next); sent before any op of
+            # the plan, so that on a shared link its bytes go first and its wait is none of theirs
+            self.buffers_arriving = self._start_buffers_broadcast()
         self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced, ends_step=len(self.rounds_now) == 1)
         self.used_unsynced = set()
         self.step_unsettled = True
@@ -173,15 +180,19 @@ class GradSync:
             self.trace.mark("backward start")
         Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _start_buffers_broadcast(self) -> Callable[[], None]:
+        """Start giving every rank rank 0's buffers; returns what completes it."""
+        return _start_broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
+
     def _end_backward(self) -> None:
         self.in_backward = False
         self.backward_synced = self.gradients_held = True
         self.executor.end_backward()
-        if self.broadcast_buffers:  # the next forward reads rank 0's buffers, as after DDP's synchronised
-            # forwards; here every rank takes part, even if one evaluates alone next
-            with self.clock.updating(), waiting_for("the broadcast of rank 0's buffers after the backward pass",
+        if self.buffers_arriving is not None:
+            with self.clock.updating(), waiting_for("the broadcast of rank 0's buffers in the backward pass",
                                                     self.channels.timeout):
-                _broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
+                self.buffers_arriving()
+            self.buffers_arriving = None
         for round_index in range(1, len(self.rounds_now)):  # a later round starts once the one before is reduced
             previous, self.executor = self.executor, self.installed.executors[self.rounds_now[round_index]]
             self.clock.wait(previous, previous.wait_all)
@@ -339,21 +350,30 @@ class GradSync:
 
 
 def _broadcast_from_first(tensors, process_group) -> None:
-    """Give every rank the first rank's values of `tensors`: one broadcast of their bytes, packed
-    by one concatenation with the largest elements first, so that each tensor starts at a multiple
-    of its own element size (whatever the mix of dtypes)."""
+    """Give every rank the first rank's values of `tensors` (``_start_broadcast_from_first``)."""
+    _start_broadcast_from_first(tensors, process_group)()
+
+
+def _start_broadcast_from_first(tensors, process_group) -> Callable[[], None]:
+    """Start giving every rank the first rank's values of `tensors` as they are now: one
+    asynchronous broadcast of their bytes, packed by one concatenation with the largest elements
+    first, so that each tensor starts at a multiple of its own element size (whatever the mix of
+    dtypes). Returns what completes it: the wait, then the values written into `tensors` on every
+    rank (the first rank's too, which may have changed them since)."""
     if not tensors:
-        return
+        return lambda: None
     ordered = sorted(tensors, key=lambda tensor: -tensor.element_size())
     flat = torch.cat([tensor.detach().reshape(-1).view(torch.uint8) for tensor in ordered])
     source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    dist.broadcast(flat, src=source, group=process_group)
-    if dist.get_rank() == source:  # its tensors hold what it sent
-        return
-    with torch.no_grad():
-        parts = torch.split(flat, [tensor.numel() * tensor.element_size() for tensor in ordered])
-        for tensor, part in zip(ordered, parts):
-            tensor.copy_(part.view(tensor.dtype).view_as(tensor))
+    work = dist.broadcast(flat, src=source, group=process_group, async_op=True)
+
+    def complete() -> None:
+        work.wait()
+        with torch.no_grad():
+            parts = torch.split(flat, [tensor.numel() * tensor.element_size() for tensor in ordered])
+            for tensor, part in zip(ordered, parts):
+                tensor.copy_(part.view(tensor.dtype).view_as(tensor))
+    return complete
 
 
 @atexit.register
