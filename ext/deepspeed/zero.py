@@ -17,9 +17,9 @@ A compressor's plan holds the whole gradients until this step (its codec decodes
 DeepSpeed's own reduction frees each in the backward pass. Live past the backward pass, they pin
 the heap's free pages below them in resident memory (glibc trims only the heap's top), under ZeRO's
 update and its temporaries. Where ZeRO updates on the host, the step hands those pages back before
-the update (``runtime.host_memory``). Measured with
-``benchmarks.deepspeed_zero`` (acp_sgd, ZeRO-2, 2 ranks): peak resident memory 1.15 → 1.02 of
-DeepSpeed's own run's, the step 3.6% slower (334 → 346 ms).
+the update (``runtime.host_memory``). Measured with ``benchmarks.deepspeed_zero`` (acp_sgd, ZeRO-2,
+2 ranks): peak resident memory 1.15 → 1.02 of DeepSpeed's own run's, the step 3.6% slower
+(334 → 346 ms).
 The ZeRO optimizer stays the engine's (``takeover``); its ``state_dict`` carries gradsync's codec
 state and step, each rank's in its own ZeRO checkpoint file.
 """
