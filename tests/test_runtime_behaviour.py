@@ -655,13 +655,13 @@ def test_profile_that_does_not_match_the_model_is_refused():
 
 
 def broadcast_mixed_dtypes(rank, world_size):
-    from gradsync.runtime.engine import _broadcast_from_first
+    from gradsync.runtime.first_rank import broadcast_from_first
 
     values = [torch.full((3,), rank + 0.5), torch.full((2, 5), rank + 7, dtype=torch.int64),
               torch.tensor([rank == 0, rank == 1, True]), torch.full((7,), rank + 0.25, dtype=torch.float16),
               torch.full((4, 3), rank + 1.0, dtype=torch.float64).t(),  # odd byte sizes, a transposed view
               torch.full((2,), complex(rank, 1), dtype=torch.complex128)]
-    _broadcast_from_first(values, None)
+    broadcast_from_first(values, None)
     return [t.tolist() for t in values]
 
 
@@ -669,6 +669,35 @@ def test_one_broadcast_gives_every_dtype_rank_0s_values():
     results = run_local(broadcast_mixed_dtypes, 3)
     assert results[0] == results[1] == results[2]
     assert results[1] == [[0.5] * 3, [[7] * 5] * 2, [True, False, True], [0.25] * 7, [[1.0] * 4] * 3, [1j] * 2]
+
+
+def broadcast_again(rank, world_size):
+    """One FirstRankValues given the same tensors with new values, then a list with one replaced,
+    then one whose tensor changed shape in place: every round delivers rank 0's values as they are."""
+    from gradsync.runtime.first_rank import FirstRankValues
+
+    sender = FirstRankValues(None)
+    values = [torch.full((2,), rank + 0.5), torch.full((3,), rank, dtype=torch.int64)]
+    rounds = []
+    for round_index in range(4):
+        if round_index == 2:
+            values[1] = torch.full((4,), rank * 10, dtype=torch.int32)
+        if round_index == 3:
+            values[0].data = torch.full((5,), rank - 0.5)
+        for tensor in values:
+            tensor.add_(round_index)
+        complete = sender.start(values)
+        for tensor in values:  # changed after the start: the first rank's values as they were win
+            tensor.add_(100)
+        complete()
+        rounds.append([t.tolist() for t in values])
+    return rounds
+
+
+def test_a_reused_broadcast_follows_new_values_and_replaced_tensors():
+    results = run_local(broadcast_again, 2)
+    assert results[0] == results[1]
+    assert results[0] == [[[0.5] * 2, [0] * 3], [[1.5] * 2, [1] * 3], [[3.5] * 2, [2] * 4], [[2.5] * 5, [5] * 4]]
 
 
 def broadcast_at_wrap(rank, world_size, profile_path, cost_path):

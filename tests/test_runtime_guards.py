@@ -307,7 +307,7 @@ def stalled_peer(rank, world_size, where, released):
 STALL_POINTS = {
     "wrap": (None, None, {}),
     "settings": ("runtime", "check_same_settings", {}),
-    "parameters": ("runtime", "_broadcast_from_first", {}),
+    "parameters": ("runtime", "broadcast_from_first", {}),
     "seed": ("runtime", "share_from_first", {}),
     "plan hash": ("installed", "check_same_on_all_ranks", {}),
     "probes": ("runtime", "measure_cost", {"cost": "measure"}),

@@ -26,7 +26,8 @@ def checksum(*tensors: torch.Tensor) -> torch.Tensor:
     it inf or NaN. A sum can only overflow to inf past 3.4e38 (1.8e308), far beyond any gradient
     of a run that has not already diverged; torch.isfinite(x).all() costs several times more on
     the CPU."""
-    return sum(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors)
+    sums = [t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors]
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

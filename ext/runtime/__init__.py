@@ -18,7 +18,8 @@ from ..topology import Topology, complete
 from ..topology.allreduce import check_group_size
 from .arguments import WrapArguments, check_grad_scaler, check_wrap_arguments
 from .channels import Channels, control_group
-from .engine import GradSync, _broadcast_from_first, attached, check_not_attached, no_sync
+from .engine import GradSync, attached, check_not_attached, no_sync
+from .first_rank import broadcast_from_first
 from .executor import NonFiniteGradient
 from .parameter_table import ParameterTable
 from .partition import Partition
@@ -185,7 +186,7 @@ def _meet(model: torch.nn.Module, arguments: WrapArguments, process_group) -> Ch
             check_same_settings(arguments, model, group)
         forest = _forest_topology(arguments, group)
         with waiting_for("the broadcast of rank 0's parameters and buffers at gradsync.wrap", arguments.timeout):
-            _broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], group)
+            broadcast_from_first([t for t in (*model.parameters(), *model.buffers()) if t.numel()], group)
         return Channels(arguments.channels, group, timeout, forest, owns_group=True)
     except BaseException:
         dist.destroy_process_group(group)

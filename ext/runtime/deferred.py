@@ -35,7 +35,8 @@ class DeferredUpdates:
         """``optimizer.step()`` for the modules whose ops `executor` has completed; the others pending."""
         complete, incomplete = [], []
         for module_name in self.table.owners:
-            (complete if self._complete(executor, module_name) else incomplete).append(module_name)
+            (complete if not executor.ops_open or self._complete(executor, module_name) else incomplete).append(
+                module_name)
         with self.clock.updating():
             if not incomplete:
                 optimizer.step()

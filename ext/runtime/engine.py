@@ -36,6 +36,7 @@ from ..plan import Plan
 from .channels import Channels
 from .deferred import DeferredUpdates
 from .executor import PlanExecutor
+from .first_rank import FirstRankValues
 from .installed import InstalledPlans
 from .parameter_table import ParameterTable
 from .measure import IterationDone, Measurement
@@ -60,7 +61,7 @@ class GradSync:
         self.clock = IterationClock()
         self.deferred = DeferredUpdates(table, self.clock)
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in table.parameters.values())
-        self.broadcast_buffers = broadcast_buffers
+        self.buffers_from_first = FirstRankValues(channels.process_group) if broadcast_buffers else None
         self.trace = trace
         self.enabled = True
         self.in_backward = False
@@ -169,7 +170,7 @@ class GradSync:
         if self.loss_scale is not None:
             self.loss_scale.follow(self.codec)
         self.executor = self.installed.executors[self.rounds_now[0]]
-        if self.broadcast_buffers:  # the next forward reads rank 0's buffers, as after DDP's synchronised
+        if self.buffers_from_first is not None:  # the next forward reads rank 0's buffers, as after DDP's synchronised
             # forwards (every rank takes part, even if one evaluates alone next); sent before any op of
             # the plan, so that on a shared link its bytes go first and its wait is none of theirs
             self.buffers_arriving = self._start_buffers_broadcast()
@@ -182,7 +183,7 @@ class GradSync:
 
     def _start_buffers_broadcast(self) -> Callable[[], None]:
         """Start giving every rank rank 0's buffers; returns what completes it."""
-        return _start_broadcast_from_first([b for b in self.model.buffers() if b.numel()], self.channels.process_group)
+        return self.buffers_from_first.start([b for b in self.model.buffers() if b.numel()])
 
     def _end_backward(self) -> None:
         self.in_backward = False
@@ -347,33 +348,6 @@ class GradSync:
                 self.trace.close()
         finally:
             self.channels.destroy()
-
-
-def _broadcast_from_first(tensors, process_group) -> None:
-    """Give every rank the first rank's values of `tensors` (``_start_broadcast_from_first``)."""
-    _start_broadcast_from_first(tensors, process_group)()
-
-
-def _start_broadcast_from_first(tensors, process_group) -> Callable[[], None]:
-    """Start giving every rank the first rank's values of `tensors` as they are now: one
-    asynchronous broadcast of their bytes, packed by one concatenation with the largest elements
-    first, so that each tensor starts at a multiple of its own element size (whatever the mix of
-    dtypes). Returns what completes it: the wait, then the values written into `tensors` on every
-    rank (the first rank's too, which may have changed them since)."""
-    if not tensors:
-        return lambda: None
-    ordered = sorted(tensors, key=lambda tensor: -tensor.element_size())
-    flat = torch.cat([tensor.detach().reshape(-1).view(torch.uint8) for tensor in ordered])
-    source = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-    work = dist.broadcast(flat, src=source, group=process_group, async_op=True)
-
-    def complete() -> None:
-        work.wait()
-        with torch.no_grad():
-            parts = torch.split(flat, [tensor.numel() * tensor.element_size() for tensor in ordered])
-            for tensor, part in zip(ordered, parts):
-                tensor.copy_(part.view(tensor.dtype).view_as(tensor))
-    return complete
 
 
 @atexit.register

@@ -5,9 +5,10 @@ op carrying a tensor launches, the codec encodes its gradient into a wire tensor
 slices of wire tensors. Each op's buffer holds its slices, one "used" flag per tensor and a last
 "non-finite" flag: a rank whose backward passes since the last synchronisation (no_sync ones
 included) never produced a gradient contributes zeros and used flag 0, and a rank whose share sums
-to inf or NaN sets the non-finite flag (on the device, at launch, where the check overlaps the ops
-already in flight; each rank sends its share of the mean, whose partial sums cannot overflow, so
-the reduced data holds an inf or a NaN only where a share does).
+to inf or NaN sets the non-finite flag to NaN (its sum times 0, which a sum over ranks keeps NaN;
+on the device, at launch, where the check overlaps the ops already in flight; each rank sends its
+share of the mean, whose partial sums cannot overflow, so the reduced data holds an inf or a NaN
+only where a share does).
 After the collective a used-flag sum of 0 means no rank used the tensor and its gradient is left
 untouched, as torch DDP does with ``find_unused_parameters``; otherwise, once every op of a tensor
 is done, the codec writes the averaged gradient (an uncompressed tensor that one op carries whole
@@ -58,6 +59,7 @@ class _OpState:
     work: object = None
     launched_at: float = 0.0
     done: bool = False
+    all_used: torch.Tensor | None = None  # the flags of a rank that used every tensor (non-finite flag 0)
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -192,14 +194,17 @@ class PlanExecutor:
         tensors = op.tensors()
         label = f"op{index}"
         if op.collective == REDUCE_SCATTER:
-            return self._reduce_scatter_state(op, tensors, buffer, label)
-        slices, position = [], 0
-        for s in op.slices:
-            slices.append((s.tensor, s.offset, s.length, position))
-            position += s.length
-        views = [buffer[position:position + length] for _, _, length, position in slices]
-        return _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label,
-                        [buffer[position:]])
+            state = self._reduce_scatter_state(op, tensors, buffer, label)
+        else:
+            slices, position = [], 0
+            for s in op.slices:
+                slices.append((s.tensor, s.offset, s.length, position))
+                position += s.length
+            views = [buffer[position:position + length] for _, _, length, position in slices]
+            state = _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label,
+                             [buffer[position:]])
+        state.all_used = torch.tensor([1.0] * len(tensors) + [0.0], dtype=buffer.dtype, device=buffer.device)
+        return state
 
     def _reduce_scatter_state(self, op, tensors: list[str], buffer: torch.Tensor, label: str) -> _OpState:
         """A reduce-scatter's buffer: each rank's segment (the parts of the op's slices it owns, in
@@ -344,13 +349,14 @@ class PlanExecutor:
                 target.copy_(_span(wire, offset, length))
             else:  # the all-reduce sums each rank's share of the mean: copy and divide in one pass
                 torch.div(_span(wire, offset, length), self.channels.world_size, out=target)
-        flags = torch.tensor([1.0 if self._used(name) else 0.0 for name in state.tensors] + [0.0], dtype=buffer.dtype)
+        used = [self._used(name) for name in state.tensors]
+        flags = state.all_used if all(used) else torch.tensor(used + [False], dtype=buffer.dtype)
         for span in state.flags:
             span.copy_(flags)
         if buffer.is_floating_point():  # the used flags are 0 or 1: the sum is not finite only for the data
-            nonfinite = ~torch.isfinite(checksum(buffer))
+            nonfinite = checksum(buffer) * 0  # 0, or NaN where an element is inf or NaN: summed, it stays NaN
             for span in state.flags:
-                span[-1:].copy_(nonfinite)
+                span[-1].copy_(nonfinite)
         for name in state.tensors:
             self.packs_left[name] -= 1
             if self.releases_gradients and self.packs_left[name] == 0 and name not in self.released:
