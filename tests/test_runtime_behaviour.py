@@ -647,6 +647,32 @@ def test_the_buffers_broadcast_goes_before_the_plans_ops():
     assert results[1][1] != results[0][1]  # the ranks' own statistics differed before the broadcast
 
 
+def buffers_replaced_after_wrap(rank, world_size):
+    """A BatchNorm whose running mean is replaced by a new tensor after the wrap (another on each
+    rank), then two iterations: what each rank's new tensor holds after each backward pass."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
+                                     profile=synthetic_profile(model), cost=COST, timeout=20)
+    generator = torch.Generator().manual_seed(rank)
+    held = []
+    for step in range(2):
+        if step == 1:
+            model[1].running_mean = torch.full((8,), 10.0 * (rank + 1))
+        model(torch.randn(6, 4, generator=generator)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        held.append(model[1].running_mean.tolist())
+    attached(model).detach()
+    return held
+
+
+def test_a_buffer_replaced_after_the_wrap_still_gets_rank_0s_values():
+    first, second = run_local(buffers_replaced_after_wrap, 2, timeout=120)
+    assert first == second
+    assert first[1] != first[0] and min(first[1]) > 5  # rank 0's replacement (10), moved by one forward
+
+
 def test_profile_that_does_not_match_the_model_is_refused():
     model = TiedNet()
     wrong = synthetic_profile(torch.nn.Sequential(torch.nn.Linear(3, 3)))

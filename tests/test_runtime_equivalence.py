@@ -220,3 +220,37 @@ def test_state_dicts_apply_deferred_updates_first():
         assert pending > 0  # the step did leave updates to the next forward
         assert to_ddp < 1e-5
         assert to_loaded == 0
+
+
+def channels_last_trains_like_ddp(rank, world_size):
+    """A convolution whose weight is channels_last (not contiguous) next to contiguous parameters:
+    the contiguous ones' gradients become spans of the op buffer, the convolution's is copied,
+    and every step's gradients equal DDP's."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(64, 5))
+    model[0].to(memory_format=torch.channels_last)
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    largest, spans = 0.0, []
+    for _ in range(3):
+        images = torch.randn(2, 3, 6, 6, generator=generator).to(memory_format=torch.channels_last)
+        for net, opt in ((model, optimizer), (reference, ref_optimizer)):
+            opt.zero_grad()
+            net(images).square().mean().backward()
+        optimizer.synchronize()
+        largest = max(largest, max((p.grad - q.grad).abs().max().item()
+                                   for p, q in zip(model.parameters(), reference.module.parameters())))
+        buffers = {op.buffer.untyped_storage().data_ptr() for op in attached(model).executor.ops}
+        spans.append([p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()])
+        optimizer.step()
+        ref_optimizer.step()
+    attached(model).detach()
+    return largest, spans
+
+
+def test_a_channels_last_weight_is_copied_and_the_rest_adopted():
+    for largest, spans in run_local(channels_last_trains_like_ddp, 2):
+        assert largest < 1e-6
+        assert spans == [[False, True, True, True]] * 3

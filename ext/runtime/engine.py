@@ -62,6 +62,9 @@ class GradSync:
         self.deferred = DeferredUpdates(table, self.clock)
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in table.parameters.values())
         self.buffers_from_first = FirstRankValues(channels.process_group) if broadcast_buffers else None
+        # the modules holding buffers at wrap time, as torch DDP lists them once: the model is not
+        # walked again each iteration (a buffer a module holds is re-read, so a replaced one is sent)
+        self.buffer_modules = [m for m in model.modules() if next(m.buffers(recurse=False), None) is not None]
         self.trace = trace
         self.enabled = True
         self.in_backward = False
@@ -183,7 +186,8 @@ class GradSync:
 
     def _start_buffers_broadcast(self) -> Callable[[], None]:
         """Start giving every rank rank 0's buffers; returns what completes it."""
-        return self.buffers_from_first.start([b for b in self.model.buffers() if b.numel()])
+        buffers = dict.fromkeys(b for m in self.buffer_modules for b in m.buffers(recurse=False) if b.numel())
+        return self.buffers_from_first.start(list(buffers))
 
     def _end_backward(self) -> None:
         self.in_backward = False
