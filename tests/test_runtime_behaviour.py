@@ -673,6 +673,38 @@ def test_a_buffer_replaced_after_the_wrap_still_gets_rank_0s_values():
     assert first[1] != first[0] and min(first[1]) > 5  # rank 0's replacement (10), moved by one forward
 
 
+def forward_hooks_by_plan(rank, world_size):
+    """The owner modules with a pre-forward hook after two iterations, per scheduler: none where the
+    plan defers nothing, the deferred gradients' owners where it does, and every owner while a
+    measurement runs."""
+    hooked = {}
+    for name in ("ddp", "us_byte", "measuring"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                    torch.nn.ReLU(), torch.nn.Linear(64, 2))
+        profile = "measure" if name == "measuring" else synthetic_profile(model)
+        model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                         scheduler="ddp" if name == "measuring" else name, profile=profile,
+                                         cost=COST, timeout=20, warmup_iterations=5)
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        sync = attached(model)
+        deferring = sorted({sync.module_of[t] for op in sync.plan.ops if op.gates_forward for t in op.tensors()})
+        hooked[name] = (sorted(sync.forward_hooks), deferring, sync.measurement is not None)
+        sync.detach()
+    return hooked
+
+
+def test_pre_forward_hooks_sit_only_where_updates_may_wait():
+    for hooked in run_local(forward_hooks_by_plan, 2, timeout=120):
+        assert hooked["ddp"] == ([], [], False)
+        us_byte, deferring, _ = hooked["us_byte"]
+        assert us_byte == deferring and deferring
+        assert hooked["measuring"] == (["0", "2", "4"], [], True)
+
+
 def test_profile_that_does_not_match_the_model_is_refused():
     model = TiedNet()
     wrong = synthetic_profile(torch.nn.Sequential(torch.nn.Linear(3, 3)))

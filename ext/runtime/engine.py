@@ -4,7 +4,8 @@ Lifecycle of one iteration:
 1. forward: a module with deferred parameters first waits for their ops and applies their update,
    as does any other module holding one of them (tied weights); modules whose own forward did not
    run in a forward pass (e.g. nn.MultiheadAttention's out_proj, whose weight its parent reads
-   directly) are updated when the model's forward starts;
+   directly) are updated when the model's forward starts (the hooks sit on the modules that may
+   need them: ``_hook_forwards_where_needed``);
 2. backward: the first gradient's hook starts the broadcast of the first rank's buffers (ahead
    of every op), then each parameter's post-accumulate-grad hook marks it ready; ops launch in
    plan order per channel as their slices become ready; when the backward pass ends, the remaining
@@ -88,8 +89,10 @@ class GradSync:
             self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
         for module, owners in table.borrowers.values():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
+        self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
+        self.forward_hooks_for: tuple | None = None  # (plans, measuring) that `forward_hooks_base` was made for
+        self.forward_hooks_base: set[str] = set()
         for module_name, module in table.modules.items():
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward_for(module_name)))
             if trace is not None:
                 self.handles.append(module.register_forward_hook(
                     lambda _m, _i, _o, name=module_name: trace.forward_end(name)))
@@ -166,7 +169,7 @@ class GradSync:
                 "optimizer.zero_grad() first)")
 
     def _begin_backward(self) -> None:
-        self.silent.update(m for m in self.table.owners if m not in self.ran_forward)
+        self.silent.update(m for m in self.forward_hooks if m not in self.ran_forward)
         self.flush_deferred()
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
@@ -213,10 +216,36 @@ class GradSync:
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
         self.clock.forward_begins()
-        for module_name in [m for m in self.deferred.pending if m in self.silent]:
+        self._hook_forwards_where_needed()
+        for module_name in [m for m in self.deferred.pending if m in self.silent or m not in self.forward_hooks]:
             self._apply_deferred(module_name)
         if self.measurement is not None:
             self.measurement.forward_start()
+
+    def _hook_forwards_where_needed(self) -> None:
+        """Pre-forward hooks (``_pre_forward_for``) on the owner modules that need one in this
+        forward pass: every one while a measurement runs or a trace records (their forward times),
+        else those whose gradients a plan in force defers to the next forward, and those with an
+        update still pending. Each hook costs every forward pass a Python call, so a plan that defers
+        nothing runs none. A module without one is never judged silent (its pending update, if it
+        had one, would be applied when the model's forward starts)."""
+        plans, measuring = self.installed.plans, self.measurement is not None
+        made_for = self.forward_hooks_for
+        if made_for is None or made_for[0] is not plans or made_for[1] != measuring:
+            self.forward_hooks_for = (plans, measuring)
+            if measuring or self.trace is not None:
+                self.forward_hooks_base = set(self.table.modules)
+            else:
+                self.forward_hooks_base = {self.module_of[name] for plan in plans.values()
+                                           for op in plan.ops if op.gates_forward for name in op.tensors()}
+        wanted = self.forward_hooks_base | self.deferred.pending.keys()
+        if wanted == self.forward_hooks.keys():
+            return
+        for module_name in self.forward_hooks.keys() - wanted:
+            self.forward_hooks.pop(module_name).remove()
+        for module_name in wanted - self.forward_hooks.keys():
+            self.forward_hooks[module_name] = self.table.modules[module_name].register_forward_pre_hook(
+                self._pre_forward_for(module_name))
 
     def _pre_forward_for(self, module_name: str):
         def pre_forward(_module, _inputs):
@@ -343,9 +372,9 @@ class GradSync:
     def detach(self) -> None:
         """Remove every hook, apply pending updates and release the channels."""
         self.flush()
-        for handle in self.handles:
+        for handle in [*self.handles, *self.forward_hooks.values()]:
             handle.remove()
-        self.handles = []
+        self.handles, self.forward_hooks = [], {}
         _ATTACHED.pop(self.model, None)
         try:
             if self.trace is not None:
