@@ -217,7 +217,7 @@ class GradSync:
         self.ran_forward.clear()
         self.clock.forward_begins()
         self._hook_forwards_where_needed()
-        for module_name in [m for m in self.deferred.pending if m in self.silent or m not in self.forward_hooks]:
+        for module_name in [m for m in self.deferred.pending if m in self.silent]:
             self._apply_deferred(module_name)
         if self.measurement is not None:
             self.measurement.forward_start()
@@ -227,8 +227,7 @@ class GradSync:
         forward pass: every one while a measurement runs or a trace records (their forward times),
         else those whose gradients a plan in force defers to the next forward, and those with an
         update still pending. Each hook costs every forward pass a Python call, so a plan that defers
-        nothing runs none. A module without one is never judged silent (its pending update, if it
-        had one, would be applied when the model's forward starts)."""
+        nothing runs none. Only a module with one is judged silent (``_begin_backward``)."""
         plans, measuring = self.installed.plans, self.measurement is not None
         made_for = self.forward_hooks_for
         if made_for is None or made_for[0] is not plans or made_for[1] != measuring:

@@ -359,11 +359,13 @@ class PlanExecutor:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
         buffer = state.buffer
         gathering = self.codec.collective == "allgather"
+        used = [self._used(name) for name in state.tensors]
+        used_of = dict(zip(state.tensors, used))
         for (name, offset, length, _), target, direct in zip(state.slices, state.views, state.direct):
             if name in self.released:  # copied in already
                 continue
             if direct is not None:
-                if self._used(name):  # the gradient is held, as a wire is, until the next iteration starts: freed
+                if used_of[name]:  # the gradient is held, as a wire is, until the next iteration starts: freed
                     # then, its memory goes to the backward pass's new gradients rather than to the forward's
                     # activations (which left the new gradients fresh pages: +3-5 ms a step, benchmarks.overhead)
                     grad = self.wires[name] = self.parameters[name].grad
@@ -378,7 +380,6 @@ class PlanExecutor:
                 target.copy_(_span(wire, offset, length))
             else:  # the all-reduce sums each rank's share of the mean: copy and divide in one pass
                 torch.div(_span(wire, offset, length), self.channels.world_size, out=target)
-        used = [self._used(name) for name in state.tensors]
         flags = state.all_used if all(used) else torch.tensor(used + [False], dtype=buffer.dtype)
         for span in state.flags:
             span.copy_(flags)
