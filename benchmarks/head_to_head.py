@@ -302,6 +302,7 @@ class Variant:
             trials = installed.trials  # what `auto` timed, if anything
             report["trials"] = None if trials is None else list(zip(trials.labels, trials.seconds))
             report["trial_iterations"] = None if trials is None else trials.iterations
+            report["trial_summary"] = None if trials is None else trials.summary()
             report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
                                              installed.rank_profiles, self.compute_scales)
         return report
@@ -446,6 +447,7 @@ class RowResult:
     plan: str | None
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
     trial_iterations: int | None = None  # the iterations auto's trials took before it settled
+    trial_summary: str | None = None  # what the trials kept and why, each gain with its margin (TrialResult.summary)
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
     first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
@@ -502,7 +504,7 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
             replay = {**replay, "cost": run_cost}
             first_fit, predicted = predicted, replayed_prediction(replay)
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
-                                   row.get("trial_iterations"), replay, codec, first_fit)
+                                   row.get("trial_iterations"), row.get("trial_summary"), replay, codec, first_fit)
     return results
 
 
@@ -638,6 +640,8 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
             line += " (auto ran that row's plan, op for op: the two rows differ by their measurement alone)"
     if results[auto].trial_iterations is not None:
         line += f"; its trials took {results[auto].trial_iterations} iterations"
+    if results[auto].trial_summary:
+        line += f" ({results[auto].trial_summary})"
     return line
 
 
