@@ -609,6 +609,8 @@ def emulated_targets(setting: Setting, results: dict[str, RowResult], plan_rows:
     if gains:
         lines.append(label + "; ".join(
             f"{faster} {speedup(results, ROWS[faster].label, ROWS[slower].label):.2f}× {slower}"
+            + (" (the same ops: the two rows differ by their measurement alone)"
+               if same_ops(results[ROWS[faster].label], results[ROWS[slower].label]) else "")
             for faster, slower in gains) + " (the papers report gains: > 1×)")
     return lines
 
