@@ -59,7 +59,7 @@ def host_zero_commands(segment: int):
     return [
         ["ip", "netns", "add", "gsnet-0"],
         ["ip", "netns", "exec", "gsnet-0", "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
-         "net.ipv6.conf.default.disable_ipv6=1"],
+         "net.ipv6.conf.default.disable_ipv6=1", "net.ipv4.tcp_slow_start_after_idle=0"],
         ["ip", "link", "add", "gsnet-0-br", "type", "veth", "peer", "name", "gsnet-0-ns", "netns", "gsnet-0"],
         ["ip", "link", "set", "gsnet-0-br", "master", "gsnet-br", "up"],
         ["ip", "-n", "gsnet-0", "addr", "add", "192.0.2.1/24", "dev", "gsnet-0-ns"],
@@ -290,6 +290,9 @@ def test_a_shaped_link_holds_two_ranks_to_its_rate():
     try:
         with bed.netbed(uniform(2, "1gbit"), wait=False):
             seconds = launcher.launch("benchmarks.netbed.probe:allreduce_seconds", 2, 8 * MB, 2, timeout=50)
+            # an idle connection keeps its congestion window, as in training (no slow start per block)
+            idle_restart = subprocess.run(["ip", "netns", "exec", "gsnet-1", "sysctl", "-n",
+                                           "net.ipv4.tcp_slow_start_after_idle"], capture_output=True, text=True)
     except (bed.NetbedUnavailable, bed.NetbedBusy) as reason:
         pytest.skip(str(reason))
     except bed.NetbedError as failure:
@@ -297,5 +300,6 @@ def test_a_shaped_link_holds_two_ranks_to_its_rate():
             raise
         pytest.skip(f"network namespaces cannot be created here: {failure}")
     assert seconds[0] == seconds[1]  # both report the slower rank's time
+    assert idle_restart.stdout.strip() == "0"
     assert 0.95 * (8 * MB - 128 * 1024) * 8 / 1e9 <= seconds[0] < 0.5
     assert bed.read_state() == ([], [])

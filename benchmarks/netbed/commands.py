@@ -1,8 +1,11 @@
 """The `ip` and `tc` commands that build and remove an emulated cluster (pure functions: no I/O).
 
-Setup per host: a namespace (IPv6 off, so gloo binds the IPv4 address), a veth pair created with
-its inner end already in the namespace, the outer end on the bridge, the address, the largest
-packet the host sends (`NetSpec.segment_bytes`), then shaping.
+Setup per host: a namespace (IPv6 off, so gloo binds the IPv4 address; TCP keeps a connection's
+congestion window across idle spells: a training job's connections idle for less than an iteration,
+but the benchmarks' interleaved rows leave each other's idle for whole blocks, and restarting from
+the initial window slowed the first iterations of each block), a veth pair created with its inner
+end already in the namespace, the outer end on the bridge, the address, the largest packet the host
+sends (`NetSpec.segment_bytes`), then shaping.
 Uniform spec: `tbf` on the inner end (the host's sending) and on the bridge port (its receiving).
 Pair spec: `htb` on the inner end with one class per destination, chosen by a u32 filter on the
 destination address; unmatched traffic (ARP) takes a default class at the host's fastest rate.
@@ -33,7 +36,7 @@ def host_commands(host: int, segment: int) -> list[Command]:
     return [
         ["ip", "netns", "add", ns],
         ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
-         "net.ipv6.conf.default.disable_ipv6=1"],
+         "net.ipv6.conf.default.disable_ipv6=1", "net.ipv4.tcp_slow_start_after_idle=0"],
         ["ip", "link", "add", port, "type", "veth", "peer", "name", inner, "netns", ns],
         ["ip", "link", "set", port, "master", BRIDGE, "up"],
         ["ip", "-n", ns, "addr", "add", f"{address(host)}/24", "dev", inner],
