@@ -184,6 +184,16 @@ def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     assert "NOT reached" in line.split("best fixed plan")[1]
 
 
+def test_emulated_runs_time_longer_blocks_unless_told():
+    from benchmarks.head_to_head import BLOCK, EMULATED_BLOCK, parser, with_defaults
+
+    def block(*argv):
+        return with_defaults(parser().parse_args(list(argv))).block
+
+    assert (block(), block("--emulated"), block("--emulated", "--block", "3")) == (BLOCK, EMULATED_BLOCK, 3)
+    assert EMULATED_BLOCK > BLOCK
+
+
 def test_on_request_rows_run_only_when_named_and_topology_rows_only_on_a_topology():
     assert set(default_rows(topology=True)) == set(ROWS) - set(ON_REQUEST_ROWS)
     assert set(default_rows(topology=False)) == set(ROWS) - set(ON_REQUEST_ROWS) - set(TOPOLOGY_ROWS)
