@@ -703,7 +703,7 @@ NOTES = [
     " torch rows, the row's time minus the compute-only time (forward, backward and step without"
     " communication, measured in the same interleaved loop). Compression: gradsync's encoding and decoding"
     " on the computing thread (IterationStats.codec_time, the ranks' mean; a row without a compressor has"
-    " none where its gradients are divided straight into the op buffers, and counts the reshapes and"
+    " none where its gradients are scaled straight into the op buffers, and counts the reshapes and"
     " copies of the tensors its plan splits over several ops). Predicted: the simulator's iteration time"
     " for the plan the row ran (from its measured profile, its times scaled to the computation's measured"
     " speed, and the job's cost: the median of its fits before, midway through and after the timed rounds);"

@@ -218,7 +218,7 @@ class PlanExecutor:
     def _direct_spans(self, state: _OpState) -> list[torch.Tensor | None]:
         """Per slice of an all-reduce, its span of the buffer in the parameter's shape where the
         codec sends each gradient as it is and the slice is the whole of a contiguous parameter:
-        the gradient is divided straight into it, and the span becomes the gradient after the
+        the gradient is scaled straight into it, and the span becomes the gradient after the
         reduction, with none of the codec's per-tensor steps (None for the other slices)."""
         if not self.as_they_are or state.segments is not None:
             return [None] * len(state.slices)
