@@ -228,7 +228,8 @@ def zero_config(stage: int, precision: str, section: dict | None = None) -> dict
 
 def trained(config: dict, rank: int, steps: int = 10, overflow_at: int | None = None) -> tuple[torch.Tensor, dict]:
     """The parameters (fp32) after `steps` optimizer steps of plain deepspeed.initialize on `config`;
-    rank 1's micro-batch `overflow_at`, if given, beyond fp16's range."""
+    the last rank's micro-batch `overflow_at`, if given, beyond fp16's range (rank 1 of the CPU's two
+    ranks; the one rank of the CUDA run)."""
     model = mlp()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     accumulation = config["gradient_accumulation_steps"]
@@ -236,7 +237,7 @@ def trained(config: dict, rank: int, steps: int = 10, overflow_at: int | None = 
     rescaled = record_error_rescales(engine) if "gradsync" in config and "fp16" in config else []
     for micro in range(steps * accumulation):
         x, y = (tensor.to(engine.device) for tensor in batch(rank, micro))
-        if micro == overflow_at and rank == 1:
+        if micro == overflow_at and rank == dist.get_world_size() - 1:
             x = x * 1e6
         dtype = torch.bfloat16 if "bf16" in config else torch.float16 if "fp16" in config else torch.float32
         engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
