@@ -31,6 +31,7 @@ bench: install
 	$(PY) -m benchmarks.overhead --rate 10gbit
 	$(PY) benchmarks/compression_speed.py
 	$(PY) benchmarks/triton_kernels.py
+	$(PY) benchmarks/codec_launch_costs.py
 	$(PY) benchmarks/convergence_digits.py > /dev/null && echo "wrote benchmarks/results/convergence_digits.md"
 	$(PY) benchmarks/reproduce_compression.py > /dev/null && echo "wrote benchmarks/results/reproduce_compression.md"
 	$(PY) benchmarks/reproduce_topology.py > /dev/null && echo "wrote benchmarks/results/reproduce_topology.md"

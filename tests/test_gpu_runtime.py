@@ -1,13 +1,15 @@
 """The runtime and the codecs on a CUDA GPU (marked `gpu`: skipped elsewhere, run by `make gpu-check`).
 
 - The low-rank codecs on CUDA tensors (the compiled Triton error-feedback kernel) follow the same
-  codec on the CPU (the torch reference), step for step.
+  codec on the CPU (the torch reference), step for step; their orthogonalisation on CUDA (QR at
+  every rank) gives the CPU's columns and never waits for the device.
 - `gradsync.wrap` on NCCL with one rank, profile and cost measured (every measurement collective on
   the device), and on two ranks sharing the GPU over gloo with CUDA tensors: every scheduler kind
   (auto with its plan trials, deferred updates, simultaneous channels) and ACP-SGD at full rank on
   square matrices (exact, so comparable) reach torch DDP's parameters.
 """
 import copy
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync import compress
+from gradsync.compress.orthogonalize import orthogonalize
 from gradsync.launch import run_local
 from gradsync.profile import TensorSpec
 from gradsync.runtime import attached
@@ -69,6 +72,32 @@ def test_low_rank_codecs_on_cuda_follow_the_cpu(name, record_property):
         worst = max(worst, *(relative_error(on_cuda[key].cpu(), on_cpu[key]) for key in shapes))
     record_property("largest_relative_error", worst)
     assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_orthogonalize_on_cuda_matches_the_cpu_and_never_waits(rank):
+    """The CPU's Gram–Schmidt (ranks 1 and 2) or QR, within fp32 rounding, on full-rank factors;
+    orthonormal columns from rank-deficient ones; and issued while the device is still busy with
+    a queued sleep (a test of a column's norm on the host would wait for it)."""
+    generator = torch.Generator().manual_seed(5)
+    factor = torch.randn(500, rank, generator=generator)
+    assert torch.allclose(orthogonalize(factor.cuda()).cpu(), orthogonalize(factor), atol=1e-5)
+    column = factor[:, :1]
+    for deficient in (torch.zeros(500, rank), column.repeat(1, rank)):
+        basis = orthogonalize(deficient.cuda())
+        assert torch.allclose(basis.T @ basis, torch.eye(rank, device="cuda"), atol=1e-5)
+    on_device = factor.cuda()
+    orthogonalize(on_device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    began = time.perf_counter()
+    orthogonalize(on_device)
+    issued = time.perf_counter() - began
+    torch.cuda.synchronize()
+    assert issued < 0.5 * start.elapsed_time(end) * 1e-3, issued
 
 
 def trains_like_ddp_on_cuda(rank, world_size, runs):

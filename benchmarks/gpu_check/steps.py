@@ -195,7 +195,7 @@ LOW_RANK = {"ACP-SGD": ("acp_sgd", {"rank": 4}), "Power-SGD": ("powersgd", {"ran
 
 
 def prepare_compression():
-    from benchmarks import compression_speed
+    from benchmarks import codec_launch_costs, compression_speed  # noqa: F401 (a dry run checks both import)
 
     from gradsync import compress
 
@@ -273,6 +273,15 @@ def profiled_ops(benchmark, shapes, top: int = 15) -> dict:
     return found
 
 
+def operations_one_by_one() -> dict:
+    """benchmarks/codec_launch_costs.py's rows: host and device µs per call of the codecs'
+    operations, and whether each waits for the device."""
+    from benchmarks import codec_launch_costs
+
+    return {title: [{"shape": shape, "way": way, **numbers} for shape, way, numbers in rows]
+            for title, rows in codec_launch_costs.measured().items()}
+
+
 def run_compression(benchmark) -> Outcome:
     shapes = [shape for group in benchmark.GROUPS.values() for shape in group]
     per_group = {group: benchmark.median_steps(group_shapes, COMPRESSION_REPEATS, "cuda", LOW_RANK)
@@ -291,6 +300,7 @@ def run_compression(benchmark) -> Outcome:
         # compression saves time on links whose all-reduce bandwidth is below bytes saved / codec time
         "break_even_gbps": {label: saved[label] / codec[label] / 1e9 for label in LOW_RANK},
         "profile_768x768x4": profiled_ops(benchmark, benchmark.GROUPS["768×768 ×4"]),
+        "operations_one_by_one": operations_one_by_one(),
     }
     summary = (f"ACP-SGD {codec['ACP-SGD'] * 1e3:.2f} ms, Power-SGD {codec['Power-SGD'] * 1e3:.2f} ms per step: "
                f"{ratio:.2f} (target <= {benchmark.TARGET}); uncompressed all-reduce on one rank "
@@ -304,7 +314,8 @@ STEPS = [
     Step("environment", "device and versions", "torch sees a CUDA device", 60, versions, describe_environment),
     test_step("kernel_tests", "CUDA tests: Triton kernels compiled, codecs on CUDA",
               "every test passes", 240, "tests/test_triton_kernels.py",
-              "tests/test_gpu_runtime.py::test_low_rank_codecs_on_cuda_follow_the_cpu"),
+              "tests/test_gpu_runtime.py::test_low_rank_codecs_on_cuda_follow_the_cpu",
+              "tests/test_gpu_runtime.py::test_orthogonalize_on_cuda_matches_the_cpu_and_never_waits"),
     Step("error_feedback_benchmark", "fused error-feedback kernel (ACP-SGD Algorithm 2)",
          ">= 80% of copy bandwidth and faster than eager, every row", 120, prepare_error_feedback,
          run_error_feedback),

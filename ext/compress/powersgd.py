@@ -8,7 +8,7 @@ taken against the aggregated approximation, as torch's PowerSGD hook does; it an
 become current when the step settles (``Codec.settle``), so a step skipped for an inf anywhere
 leaves them as they were. Q_prev is last step's Q̄ (warm start) or a fresh Gaussian from the seed
 shared by every rank; like the torch hook, it is orthogonalised before use. Orth is QR for rank > 2
-in fp32/fp64, Gram–Schmidt otherwise (gradsync.compress.orthogonalize).
+in fp32/fp64 and on a GPU, Gram–Schmidt otherwise (gradsync.compress.orthogonalize).
 
 Vectors and small matrices travel uncompressed: whole, averaged, in round "P"; round "Q" must cover
 them too (every plan covers every tensor once), so there they are one element, 0 when their round P
