@@ -162,13 +162,14 @@ def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     assert "0.980× the best fixed plan (gradsync mg_wfbp) (target ≥ 0.97×): reached" in line
     assert line.endswith("its trials took 49 iterations") and "op for op" not in line
     # the trials' own verdict, each gain with its margin, follows where the rank reported it
-    verdict = TrialResult(("ddp", "mg_wfbp"), (0.012, 0.0118), (0.011, 0.0105), Verdict(0, False, (0.0, 0.017),
-                                                                                       (0.0, 0.024), 16), 129)
+    verdict = TrialResult(("ddp", "mg_wfbp"), (0.012, 0.0118), (0.011, 0.0105),
+                          Verdict(0, False, (0.0, 0.017), (0.0, 0.024), 16, (1,)), 129)
     report["rows"][auto]["trial_summary"] = verdict.summary()
     [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
     assert line.endswith("its trials took 49 iterations (kept ddp: the trial budget ran out before any other plan "
-                         "was found faster with confidence (16 rounds, 129 iterations; speed-up over ddp: "
-                         "mg_wfbp +1.7% ± 2.4%); the simulator predicts them within 4.8% of each other)")
+                         "was found faster with confidence; the undecided ones are timed again every 64 iterations "
+                         "(16 rounds, 129 iterations; speed-up over ddp: mg_wfbp +1.7% ± 2.4%); the simulator "
+                         "predicts them within 4.8% of each other)")
     del report["rows"][auto]["trial_summary"]
     # auto running the best row's own ops: the report says their gap is the measurement's
     for label, ops in ((auto, [{"slices": [["w", 0, 8]]}]), (mg_wfbp, [{"slices": [["w", 0, 8]]}])):

@@ -17,9 +17,10 @@ from gradsync.launch import run_local
 from gradsync.planning import Alternative, plan_alternatives, predict_cycle
 from gradsync.profile import zoo
 from gradsync.runtime import attached
-from gradsync.runtime.measure import TrialsDone
+from gradsync.runtime.measure import Install, TrialsDone
 from gradsync.runtime.measure import trials as trials_module
-from gradsync.runtime.measure.trials import MIN_ROUNDS, PlanTrials, judge
+from gradsync.runtime.measure.trials import (FOLLOW_UP_EVERY, MAX_FOLLOW_UP_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, PlanTrials,
+                                             judge)
 from runtime_models import TiedNet, batch
 
 CONFIDENCE, TOLERANCE = 0.95, 0.02
@@ -55,6 +56,49 @@ def test_trials_pick_a_faster_plan_at_the_stated_confidence_and_keep_ddp_within_
     assert share >= at_least - 2 * math.sqrt(at_least * (1 - at_least) / runs)  # two standard errors
 
 
+def kept_after_follow_ups(truth: list[float], noise: float, rng: random.Random, follow_up: bool) -> int:
+    """sequential_verdict's trials, then (`follow_up`) pairs of follow-up rounds of the baseline and
+    the challengers they left undecided, as ChoiceWatch runs them: the alternative kept at the end."""
+    columns, rounds = list(range(len(truth))), []
+
+    def draw():
+        return [truth[column] * math.exp(rng.gauss(0.0, noise)) for column in columns]
+
+    verdict = None
+    while verdict is None:
+        rounds.append(draw())
+        verdict = judge(rounds, CONFIDENCE, TOLERANCE, last=len(rounds) >= MAX_ROUNDS)
+    if not (follow_up and verdict.kept == 0 and verdict.undecided):
+        return verdict.kept
+    kept_columns = (0, *verdict.undecided)
+    columns, rounds = [columns[index] for index in kept_columns], [[r[i] for i in kept_columns] for r in rounds]
+    verdict = None
+    while verdict is None:
+        rounds += [draw(), draw()]
+        verdict = judge(rounds, CONFIDENCE, TOLERANCE, last=len(rounds) >= MAX_FOLLOW_UP_ROUNDS)
+    return columns[verdict.kept]
+
+
+@pytest.mark.parametrize("truth, kept, alone_below, at_least", [
+    # 3% faster in visits 5% noisy: the trials alone find it in about a third of the runs, the
+    # follow-up rounds in most
+    ([1.0, 0.97], 1, 0.5, 0.85),
+    # no real difference: the baseline kept at the stated confidence over every look, follow-ups included
+    ([1.0, 1.0], 0, 1.01, CONFIDENCE),
+    ([1.0, 1.0, 1.0], 0, 1.01, CONFIDENCE),
+    ([1.0, 1.03], 0, 1.01, 1.0),  # a slower challenger is dropped, never kept
+])
+def test_follow_up_rounds_find_a_small_gain_the_trials_alone_miss_and_keep_ddp_within_noise(truth, kept, alone_below,
+                                                                                             at_least):
+    runs = 400
+    shares = {}
+    for follow_up in (False, True):
+        rng = random.Random(7)
+        shares[follow_up] = sum(kept_after_follow_ups(truth, 0.05, rng, follow_up) == kept for _ in range(runs)) / runs
+    assert shares[False] < alone_below
+    assert shares[True] >= at_least - 2 * math.sqrt(at_least * (1 - at_least) / runs)  # two standard errors
+
+
 def test_judge_waits_for_three_rounds_then_stops_on_clear_evidence():
     rounds = [[1.0, 0.8], [1.01, 0.81], [0.99, 0.79], [1.0, 0.8], [1.0, 0.8]]
     assert judge(rounds[:MIN_ROUNDS - 1], CONFIDENCE, TOLERANCE, last=False) is None
@@ -78,7 +122,7 @@ def scripted_trials(seconds: dict, drift: float, confidence: float = CONFIDENCE)
     clock = {"now": 0.0}
     trials_module.now = lambda device: clock["now"]
     auto = planners.bind("auto", confidence=confidence, trial_seconds=1000.0)
-    alternatives = [Alternative(auto.with_options(candidates=(name,)), name, 0.0) for name in seconds]
+    alternatives = [Alternative(auto.with_options(candidates=(name,)), name, seconds[name]) for name in seconds]
     channels = SimpleNamespace(process_group=None, timeout=60.0, rank=0)
     trials = PlanTrials(None, alternatives, 2, auto, channels, torch.device("cpu"))
 
@@ -88,13 +132,19 @@ def scripted_trials(seconds: dict, drift: float, confidence: float = CONFIDENCE)
     return trials, clock, name_of
 
 
-def trials_under_drift(rank, world_size, seconds: dict, drift: float):
-    """What the scripted trials installed, timed, kept and logged."""
+def captured_log() -> list[str]:
+    """The messages the gradsync logger emits at INFO and above from now on, as a list that fills."""
     logged = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: logged.append(record.getMessage())
     logging.getLogger("gradsync").addHandler(handler)
     logging.getLogger("gradsync").setLevel(logging.INFO)
+    return logged
+
+
+def trials_under_drift(rank, world_size, seconds: dict, drift: float):
+    """What the scripted trials installed, timed, kept and logged."""
+    logged = captured_log()
     trials, clock, name_of = scripted_trials(seconds, drift)
     installed = [name_of(trials.first.planner)]
     done = SimpleNamespace(skipped=False)
@@ -188,6 +238,19 @@ def test_after_a_replanning_the_incumbent_is_the_baseline_and_the_new_choice_its
     assert len(plan_alternatives(profile, slower_link, codec, auto, 4, incumbent=auto)) == 1
 
 
+def train_side_by_side(rank: int, steps: int, pairs, schedulers=()) -> None:
+    """`steps` steps of TiedNet's task for each (model, optimizer) of `pairs` in turn, then the
+    LR `schedulers`."""
+    for step in range(steps):
+        for net, opt in pairs:
+            opt.zero_grad()
+            tokens, targets = batch(rank, step)
+            F.cross_entropy(net(tokens, use_rank0_branch=rank == 0), targets).backward()
+            opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+
+
 def training_with_trials(rank, world_size):
     """60 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
     torch.manual_seed(3)
@@ -198,14 +261,7 @@ def training_with_trials(rank, world_size):
                                      candidates=("wfbp", "ddp", "us_byte"), plan_trials=3, trial_seconds=0.1)
     ref_optimizer = make(reference.parameters())
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=8, gamma=0.7) for o in (optimizer, ref_optimizer)]
-    for step in range(60):
-        for net, opt in ((model, optimizer), (reference, ref_optimizer)):
-            opt.zero_grad()
-            tokens, targets = batch(rank, step)
-            F.cross_entropy(net(tokens, use_rank0_branch=rank == 0), targets).backward()
-            opt.step()
-        for scheduler in schedulers:
-            scheduler.step()
+    train_side_by_side(rank, 60, ((model, optimizer), (reference, ref_optimizer)), schedulers)
     optimizer.synchronize()
     sync = attached(model)
     error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
@@ -234,13 +290,13 @@ def watched(rank, world_size, times: list[float], cooldown: int):
     which it started the trials again."""
     trials_module.RETRIAL_COOLDOWN = cooldown
     trials, _, name_of = scripted_trials({"ddp": 1.0, "us_byte": 0.9}, 0.0)
-    watch = trials_module.ChoiceWatch(trials, 1.0)
+    watch = trials_module.ChoiceWatch(trials, 1.0, None)
     restarts = []
     for iteration, seconds in enumerate(times):
         again = watch.observe(SimpleNamespace(skipped=False, stats=SimpleNamespace(iteration_time=seconds)))
         if again is not None:
             restarts.append((iteration + 1, name_of(again.first.planner), len(again.rounds)))
-            watch = trials_module.ChoiceWatch(trials, 1.0)
+            watch = trials_module.ChoiceWatch(trials, 1.0, None)
     return restarts
 
 
@@ -254,3 +310,132 @@ def watched(rank, world_size, times: list[float], cooldown: int):
 ])
 def test_the_choice_is_checked_and_the_trials_run_again_when_the_kept_plan_slows(times, cooldown, restarts):
     assert run_local(watched, 1, times, cooldown, timeout=120)[0] == restarts
+
+
+def follow_ups_on_a_scripted_job(rank, world_size, seconds: dict, noise: float, seed: int):
+    """The trials, then ChoiceWatch with its follow-up rounds, on a scripted job whose plan `name`
+    takes `seconds[name]` times a log-normal factor (`noise`) per iteration, as the runtime drives
+    them (``runtime.installed``), until 3 × FOLLOW_UP_EVERY iterations after the decision: per
+    iteration the plan that ran, and what was decided when."""
+    rng = random.Random(seed)
+    logged = captured_log()
+    trials, clock, name_of = scripted_trials(seconds, 0.0)
+    installed, measurement, watch = name_of(trials.first.planner), trials, None
+    ran, decisions, follow_ups, final = [], [], [], None
+    for iteration in range(20 * MAX_FOLLOW_UP_ROUNDS * FOLLOW_UP_EVERY):
+        if final is not None and iteration > final + 3 * FOLLOW_UP_EVERY:
+            break
+        elapsed = seconds[installed] * math.exp(rng.gauss(0.0, noise))
+        clock["now"] += elapsed
+        ran.append(installed)
+        done = SimpleNamespace(skipped=False, stats=SimpleNamespace(iteration_time=elapsed))
+        if measurement is None:
+            again = watch.observe(done)
+            if again is not None:
+                follow_ups.append((iteration, name_of(again.first.planner), again.alternatives))
+                measurement, watch = again, None
+            continue
+        request = measurement.iteration_done(done)
+        if isinstance(request, Install):
+            installed = name_of(request.planner)
+        elif isinstance(request, TrialsDone):
+            if request.planner is not None:
+                installed = name_of(request.planner)
+            measurement, watch = None, request.watch
+            decisions.append((iteration, request.result))
+            if request.watch.follow_up is None:  # decided: what runs after is checked for a while
+                final = iteration
+    return {"ran": ran, "decisions": decisions, "follow_ups": follow_ups, "logged": logged}
+
+
+def test_follow_up_rounds_run_every_so_many_iterations_of_the_kept_plan_and_switch_when_one_wins():
+    # mg_wfbp 3% faster than ddp, iterations 8% noisy: the trials' budget (16 rounds) runs out
+    # undecided; follow-up rounds every FOLLOW_UP_EVERY iterations of ddp find mg_wfbp faster
+    seconds = {"ddp": 1.0, "mg_wfbp": 0.97}
+    result = run_local(follow_ups_on_a_scripted_job, 1, seconds, 0.08, 2, timeout=120)[0]
+    decisions, follow_ups, ran = result["decisions"], result["follow_ups"], result["ran"]
+    trials = decisions[0][1]
+    assert trials.kept == "ddp" and not trials.verdict.settled and trials.follow_up_due
+    assert trials.verdict.rounds == MAX_ROUNDS and trials.verdict.undecided == (1,)
+    assert "the undecided ones are timed again every 64 iterations" in trials.summary()
+    assert follow_ups, "no follow-up rounds ran"
+    ends, starts = [at for at, _ in decisions], [at for at, _, _ in follow_ups]
+    assert len(ends) == len(starts) + 1  # each follow-up hands the watch back once its pair of rounds is done
+    for end, start in zip(ends, starts):  # FOLLOW_UP_EVERY iterations of the kept plan alone in between
+        assert start - end == FOLLOW_UP_EVERY and set(ran[end + 1:start + 1]) == {"ddp"}
+    for start, end, (_, first, alternatives) in zip(starts, ends[1:], follow_ups):
+        # a pair of rounds, 2 timed iterations a visit: ddp (installed: no switch), mg_wfbp after a
+        # settling iteration, mg_wfbp again (no switch), ddp after a settling iteration
+        assert first == "ddp" and [a.label for a in alternatives] == ["ddp", "mg_wfbp"]
+        assert ran[start + 1:end + 1] == ["ddp"] * 2 + ["mg_wfbp"] * 5 + ["ddp"] * 3
+    final_iteration, final = decisions[-1]
+    assert final.kept == "mg_wfbp" and final.verdict.settled
+    # each visit timed from its own iterations alone, not the kept plan's in between
+    assert final.seconds == pytest.approx((1.0, 0.97), rel=0.05)
+    assert final.verdict.gains[1] == pytest.approx(0.03, abs=0.03)
+    assert MAX_ROUNDS < final.verdict.rounds <= MAX_FOLLOW_UP_ROUNDS
+    assert final.verdict.rounds == MAX_ROUNDS + 2 * len(follow_ups)  # the trials' rounds and two per follow-up
+    assert set(ran[final_iteration + 1:]) == {"mg_wfbp"}  # switched, and no more follow-ups
+    assert result["logged"][-1] == f"gradsync auto: follow-up rounds: {final.summary()}"
+    assert "kept mg_wfbp: faster than ddp with confidence" in final.summary()
+
+
+def scripted_judge(rounds, confidence, tolerance, last):
+    """Every challenger undecided at the trials' last look (4 rounds) and after the first pair of
+    follow-up rounds; the last challenger wins after the second."""
+    count, looks = len(rounds[0]), len(rounds)
+    if looks % 2 or looks < MIN_ROUNDS or looks == MIN_ROUNDS + 2:
+        return None
+    if looks == MIN_ROUNDS:
+        return trials_module.Verdict(0, False, (0.0,) * count, (0.1,) * count, looks, tuple(range(1, count)))
+    return trials_module.Verdict(count - 1, True, (0.0,) * (count - 1) + (0.05,), (0.01,) * count, looks)
+
+
+def training_with_follow_ups(rank, world_size):
+    """auto with scripted verdicts (scripted_judge) and follow-up rounds every 4 iterations, beside
+    DDP: the report and the log at the end."""
+    trials_module.judge, trials_module.FOLLOW_UP_EVERY = scripted_judge, 4
+    logged = captured_log()
+    torch.manual_seed(3)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                     scheduler="auto", candidates=("wfbp", "ddp", "us_byte"), plan_trials=3,
+                                     warmup_iterations=1, measure_iterations=2)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    train_side_by_side(rank, 100, ((model, optimizer), (reference, ref_optimizer)))
+    optimizer.synchronize()
+    sync = attached(model)
+    error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    report = gradsync.report(model)
+    result = {"error": error, "trials": report.trials, "chosen": report.chosen, "logged": logged,
+              "follow_up_pending": sync.installed.watch is not None and sync.installed.watch.follow_up is not None}
+    sync.detach()
+    return result
+
+
+def test_follow_up_rounds_in_training_switch_every_rank_at_once_and_train_like_ddp():
+    results = run_local(training_with_follow_ups, 2, timeout=300)
+    trials = results[0]["trials"]
+    assert trials == results[1]["trials"]  # one decision on every rank
+    assert trials.labels[0] == "ddp" and trials.kept == trials.labels[-1] != "ddp"
+    assert trials.verdict.rounds == MIN_ROUNDS + 4 and trials.verdict.settled  # two follow-ups of two rounds
+    decisions = [line for line in results[0]["logged"] if line.startswith("gradsync auto:")]
+    assert len(decisions) == 2 and "timed again every 4 iterations" in decisions[0]
+    assert decisions[1] == f"gradsync auto: follow-up rounds: {trials.summary()}"
+    for result in results:
+        assert result["chosen"] == trials.kept and not result["follow_up_pending"]
+        assert result["error"] < 1e-5
+
+
+def test_the_summary_says_when_follow_ups_come_and_when_they_ended_undecided():
+    def result(rounds, undecided, kept=0):
+        verdict = trials_module.Verdict(kept, not undecided, (0.0, 0.01), (0.0, 0.02), rounds, undecided)
+        return trials_module.TrialResult(("ddp", "mg_wfbp"), (1.0, 0.99), (1.0, 0.98), verdict, 100)
+
+    due, ended, won = result(MAX_ROUNDS, (1,)), result(MAX_FOLLOW_UP_ROUNDS, (1,)), result(MAX_ROUNDS, (), kept=1)
+    assert due.follow_up_due and "timed again every 64 iterations" in due.summary()
+    assert not ended.follow_up_due
+    assert f"no other plan found faster with confidence in {MAX_FOLLOW_UP_ROUNDS} rounds" in ended.summary()
+    assert "the simulator predicts them within 2.0% of each other" in ended.summary()
+    assert not won.follow_up_due and won.summary().startswith("kept mg_wfbp: faster than ddp with confidence")

@@ -95,8 +95,9 @@ def wrap(
         warmup_iterations, measure_iterations: iterations skipped, then timed, by ``profile="measure"``.
         plan_trials: with a choosing scheduler (``auto``) and a measured profile, how many plans to
             time on the job (torch DDP's buckets, auto's choice, the next best predicted): DDP's are
-            kept unless another is faster with auto's `confidence` (``runtime.measure.trials``);
-            below 2, auto's choice is kept untimed.
+            kept unless another is faster with auto's `confidence` (``runtime.measure.trials``),
+            and plans the trials left undecided are timed again as training goes on; below 2,
+            auto's choice is kept untimed.
         replan: once the plans are installed, compare their ops' measured times with the cost model
             and, when the network changes (ops 1.5x slower or faster than at first, for 16
             iterations), re-fit the cost from those times and make the plans again, every rank at

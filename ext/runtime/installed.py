@@ -145,9 +145,10 @@ class InstalledPlans:
                 return
         if self.watch is not None:
             again = self.watch.observe(done)
-            if again is not None:
+            if again is not None:  # the trials again, or follow-up rounds (from the plans installed now)
                 self.watch, self.measurement = None, again
-                self._carry_out(again.first)
+                if again.first.planner is not self.current:
+                    self._carry_out(again.first)
 
     def _carry_out(self, request: Install | ProfileMeasured | TrialsDone | None) -> None:
         """What the measurement asked for."""

@@ -14,12 +14,16 @@ noisier than the differences being ranked. So the trials are a sequential paired
    a round), with a one-sided Student-t bound (``judge``);
 3. a challenger wins when its lower bound is above 0: at interim looks at level 1 − 0.001, at the
    last look (the time budget, `trial_seconds`, spent at the end of a pair of rounds, or
-   `MAX_ROUNDS` run) at the stated confidence, each divided among
-   the challengers (Haybittle–Peto boundaries with a Bonferroni split: the error rate over all looks
-   stays within 1 − confidence); a challenger is dropped when its upper bound at the confidence is
-   below the planner's `tolerance` (it cannot be worth a change);
+   `MAX_ROUNDS` run) at half the stated error rate, each divided among the challengers
+   (Haybittle–Peto boundaries with a Bonferroni split); a challenger is dropped when its upper
+   bound at the confidence is below the planner's `tolerance` (it cannot be worth a change);
 4. the trials stop when every challenger has won or been dropped, or at the last look; the winner
-   with the largest gain is kept, else the baseline.
+   with the largest gain is kept, else the baseline;
+5. where the last look leaves challengers undecided, the comparison goes on as training does: every
+   `FOLLOW_UP_EVERY` iterations of the kept plan, one more pair of rounds of it and the undecided
+   challengers, judged with the rounds before (interim looks at 1 − 0.001) until a challenger wins
+   (auto switches to it) or is dropped, or `MAX_FOLLOW_UP_ROUNDS` rounds are in: that last look
+   spends the other half of the error rate, so over all looks it stays within 1 − confidence.
 
 Afterwards ``ChoiceWatch`` compares the kept plan's iteration times with its trial time; when they
 stay slower by more than ``RETRIAL_DRIFT`` (the network or the host changed), the trials run again.
@@ -51,6 +55,9 @@ from . import Install, IterationDone, Measurement, TrialsDone, median, now
 TRIAL_ITERATIONS = 2  # timed per visit of a plan, after one to settle; rounded up to whole codec cycles
 MIN_ROUNDS = 4  # rounds before the first look, whatever the time budget
 MAX_ROUNDS = 16  # the last look at the latest (a fast model's budget in time would allow many more)
+FOLLOW_UP_EVERY = 64  # iterations of the kept plan before each follow-up pair of rounds
+MAX_FOLLOW_UP_ROUNDS = 64  # rounds, the trials' own included, at which the follow-up's last look decides
+LAST_LOOK_SHARE = 0.5  # of the error rate, spent by each of the two last looks (the trials', the follow-up's)
 INTERIM_ALPHA = 0.001  # a challenger's error level at interim looks (Haybittle–Peto)
 WATCH_WINDOW = 16  # iterations per comparison of the kept plan with its trial time
 RETRIAL_DRIFT = 0.10  # the kept plan's iterations this much slower than in its trials, twice running: trials again
@@ -69,6 +76,7 @@ class Verdict:
         gains: each alternative's estimated speed-up over the baseline (0.05: 5% faster; 0 for it).
         margins: the half-widths of those estimates at the stated confidence.
         rounds: the rounds the trials ran.
+        undecided: the challengers that neither won nor were dropped (empty where settled).
     """
 
     kept: int
@@ -76,17 +84,19 @@ class Verdict:
     gains: tuple[float, ...]
     margins: tuple[float, ...]
     rounds: int
+    undecided: tuple[int, ...] = ()
 
 
 def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: bool) -> Verdict | None:
-    """The verdict on trial rounds so far (steps 2–4 of the module docstring), None while undecided
+    """The verdict on trial rounds so far (steps 2–5 of the module docstring), None while undecided
     (or before `MIN_ROUNDS`, or after an odd number of rounds).
 
     Args:
         rounds: per round, each alternative's visit time in seconds, the baseline first.
         confidence: the stated confidence (e.g. 0.95).
         tolerance: a challenger that cannot be faster than the baseline by this fraction is dropped.
-        last: the last look (the budget is spent): decide whatever the evidence.
+        last: a last look (the trials' budget spent, or the follow-up's last round in): decide
+            whatever the evidence, at `LAST_LOOK_SHARE` of the error rate.
     """
     count, looks = len(rounds[0]), len(rounds)
     if count == 1:
@@ -94,13 +104,13 @@ def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: 
     if (looks < MIN_ROUNDS or looks % 2) and not last:
         return None
     if looks < 2:  # no spread to judge by: the baseline
-        return Verdict(0, False, (0.0,) * count, (math.inf,) * count, looks)
+        return Verdict(0, False, (0.0,) * count, (math.inf,) * count, looks, tuple(range(1, count)))
     challengers = count - 1
-    winning = 1 - ((1 - confidence) if last else INTERIM_ALPHA) / challengers
+    winning = 1 - ((1 - confidence) * LAST_LOOK_SHARE if last else INTERIM_ALPHA) / challengers
     win_quantile = student_t.ppf(winning, looks - 1)
     quantile = student_t.ppf(confidence, looks - 1)
     worth = -math.log(1 - tolerance)  # the log-gain of a plan faster by `tolerance`
-    gains, margins, winners, undecided = [0.0], [0.0], [], False
+    gains, margins, winners, undecided = [0.0], [0.0], [], []
     for index in range(1, count):
         logs = [math.log(visits[0] / visits[index]) for visits in rounds]
         mean = statistics.fmean(logs)
@@ -110,11 +120,11 @@ def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: 
         if mean - win_quantile * error > 0:
             winners.append(index)
         elif mean + quantile * error >= worth:
-            undecided = True
+            undecided.append(index)
     if undecided and not last:
         return None
     kept = max(winners, key=lambda index: gains[index], default=0)
-    return Verdict(kept, not undecided, tuple(gains), tuple(margins), looks)
+    return Verdict(kept, not undecided, tuple(gains), tuple(margins), looks, tuple(undecided))
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,12 @@ class TrialResult:
     def kept(self) -> str:
         return self.labels[self.verdict.kept]
 
+    @property
+    def follow_up_due(self) -> bool:
+        """The baseline kept with challengers undecided, and rounds left before the follow-up's last look."""
+        verdict = self.verdict
+        return verdict.kept == 0 and bool(verdict.undecided) and verdict.rounds < MAX_FOLLOW_UP_ROUNDS
+
     def summary(self) -> str:
         """One line: what was kept and why."""
         verdict, baseline = self.verdict, self.labels[0]
@@ -149,8 +165,11 @@ class TrialResult:
             why = f"faster than {baseline} with confidence"
         elif verdict.settled:
             why = "no other plan faster with confidence"
+        elif self.follow_up_due:
+            why = (f"the trial budget ran out before any other plan was found faster with confidence; the undecided "
+                   f"ones are timed again every {FOLLOW_UP_EVERY} iterations")
         else:
-            why = "the trial budget ran out before any other plan was found faster with confidence"
+            why = f"no other plan found faster with confidence in {verdict.rounds} rounds"
         line = f"kept {self.kept}: {why} ({taken}; speed-up over {baseline}: {compared})"
         if not verdict.settled:
             spread = max(self.predicted) / min(self.predicted) - 1
@@ -168,10 +187,14 @@ class PlanTrials(Measurement):
         planner: the wrapped scheduler (its `confidence`, `tolerance` and `trial_seconds`).
         channels: for the all-reduce of the ranks' visit times.
         device: the model's device (timing waits for its queued work).
+        follow_up_of: the trials (or the follow-up) whose undecided challengers these follow-up
+            rounds time again (step 5 of the module docstring): their rounds, restricted to
+            `alternatives`, come first; None for the trials themselves.
     """
 
     def __init__(self, profile: ModelProfile, alternatives: list[Alternative], iterations: int,
-                 planner: BoundPlanner, channels: Channels, device: torch.device):
+                 planner: BoundPlanner, channels: Channels, device: torch.device,
+                 follow_up_of: "PlanTrials | None" = None):
         self.profile = profile
         self.alternatives = alternatives
         self.iterations = iterations
@@ -179,11 +202,17 @@ class PlanTrials(Measurement):
         self.channels = channels
         self.device = device
         self.rounds: list[list[float]] = []  # the slowest rank's visit times, per round
+        self.watch: ChoiceWatch | None = None  # a follow-up's: the watch that started it, continued after
+        if follow_up_of is not None:
+            columns = [follow_up_of.alternatives.index(alternative) for alternative in alternatives]
+            self.rounds = [[visits[column] for column in columns] for visits in follow_up_of.rounds]
         self.visits = [0.0] * len(alternatives)  # this rank's, in the round under way
         self.position = 0  # in this round's order
         self.samples: list[float] = []  # the visit under way
-        self.settling = True  # the next iteration still applies the previous plan's deferred updates
-        self.iterations_taken = 0
+        # the next iteration still applies the previous plan's deferred updates (a follow-up starts
+        # with the plans installed: no switch)
+        self.settling = follow_up_of is None
+        self.iterations_taken = 0 if follow_up_of is None else follow_up_of.iterations_taken
         self.started = self.last_end = now(device)
 
     @classmethod
@@ -216,6 +245,18 @@ class PlanTrials(Measurement):
         """The same trials from the start."""
         return PlanTrials(self.profile, self.alternatives, self.iterations, self.planner, self.channels, self.device)
 
+    def follow_up(self, undecided: tuple[int, ...]) -> "PlanTrials":
+        """One more pair of rounds of the baseline and the challengers `undecided` (indices)."""
+        alternatives = [self.alternatives[index] for index in (0, *undecided)]
+        return PlanTrials(self.profile, alternatives, self.iterations, self.planner, self.channels, self.device,
+                          follow_up_of=self)
+
+    def handed_over(self, watch: "ChoiceWatch") -> None:
+        """A follow-up starts now, from `watch` (made at an earlier decision, its clock starts
+        here: the kept plan's iterations in between are no visit's)."""
+        self.watch = watch
+        self.started = self.last_end = now(self.device)
+
     def order(self, round_index: int) -> list[int]:
         """The visiting order of a round: forth, then back (0 1 2, 2 1 0, 0 1 2, ...)."""
         forth = list(range(len(self.alternatives)))
@@ -223,8 +264,8 @@ class PlanTrials(Measurement):
 
     @property
     def first(self) -> Install:
-        """The plans the trials start with."""
-        return Install(self.profile, self.alternatives[self.order(0)[0]].planner)
+        """The plans the trials start with (a follow-up's: the kept baseline's)."""
+        return Install(self.profile, self.alternatives[self.order(len(self.rounds))[0]].planner)
 
     def iteration_done(self, done: IterationDone) -> Install | TrialsDone | None:
         ended = now(self.device)
@@ -248,7 +289,8 @@ class PlanTrials(Measurement):
 
     def _end_round(self) -> TrialsDone | None:
         """Gather the round's visit times (the slowest rank's) and judge; the next round starts
-        with the plan that ends this one (no switch)."""
+        with the plan that ends this one (no switch). A follow-up ends after its pair of rounds,
+        decided or not."""
         gathered = torch.tensor([*self.visits, now(self.device) - self.started], dtype=torch.float64,
                                 device=self.device)
         with waiting_for("the plan trials' result", self.channels.timeout):
@@ -257,9 +299,15 @@ class PlanTrials(Measurement):
         self.rounds.append(visits)
         self.position = 0
         looks = len(self.rounds)
-        last = looks >= MIN_ROUNDS and looks % 2 == 0 and (elapsed >= self.planner.trial_seconds
-                                                           or looks >= MAX_ROUNDS)
+        if self.watch is None:
+            last = looks >= MIN_ROUNDS and looks % 2 == 0 and (elapsed >= self.planner.trial_seconds
+                                                               or looks >= MAX_ROUNDS)
+        else:
+            last = looks >= MAX_FOLLOW_UP_ROUNDS and looks % 2 == 0
         verdict = judge(self.rounds, self.planner.confidence, self.planner.tolerance, last)
+        if verdict is None and self.watch is not None and looks % 2 == 0:  # undecided: again later
+            again = self.follow_up(tuple(range(1, len(self.alternatives))))
+            return TrialsDone(None, self.watch.result, self.watch.continued(self.watch.seconds, again))
         if verdict is None:
             return None
         installed = self.order(len(self.rounds) - 1)[-1]
@@ -267,25 +315,37 @@ class PlanTrials(Measurement):
                              tuple(statistics.median(column) for column in zip(*self.rounds)),
                              tuple(a.predicted for a in self.alternatives), verdict, self.iterations_taken)
         if self.channels.rank == 0:
-            log.info("gradsync auto: %s", result.summary())
+            log.info("gradsync auto: %s%s", "follow-up rounds: " if self.watch is not None else "", result.summary())
         kept = None if verdict.kept == installed else self.alternatives[verdict.kept].planner
-        return TrialsDone(kept, result, ChoiceWatch(self, result.seconds[verdict.kept]))
+        follow_up = self.follow_up(verdict.undecided) if result.follow_up_due else None
+        seconds = result.seconds[verdict.kept]
+        if self.watch is None:
+            return TrialsDone(kept, result, ChoiceWatch(self, seconds, result, follow_up))
+        return TrialsDone(kept, result, self.watch.continued(seconds, follow_up, result))
 
 
 class ChoiceWatch:
-    """Compares the kept plan's iteration times with its time in the trials, every `WATCH_WINDOW`
-    iterations (the slowest rank's window median, reduced from the iteration that closes the
-    window and read at the next: ``runtime.over_ranks``): slower by more than `RETRIAL_DRIFT` in
-    two windows running, at least `RETRIAL_COOLDOWN` iterations after the trials, starts them again.
+    """Checks the kept plan as training goes on.
+
+    Every `WATCH_WINDOW` iterations its iteration times are compared with its time in the trials
+    (the slowest rank's window median, reduced from the iteration that closes the window and read
+    at the next: ``runtime.over_ranks``): slower by more than `RETRIAL_DRIFT` in two windows
+    running, at least `RETRIAL_COOLDOWN` iterations after the trials, starts them again. Where the
+    trials left challengers undecided, every `FOLLOW_UP_EVERY` iterations it starts the follow-up
+    rounds (step 5 of the module docstring), which hand it back when their pair of rounds is done.
 
     Args:
         trials: the trials that kept the plan (run again from the start).
         seconds: the kept plan's median visit time in them.
+        result: what they decided (the report's, until a follow-up decides).
+        follow_up: the next follow-up rounds, or None.
     """
 
-    def __init__(self, trials: PlanTrials, seconds: float):
+    def __init__(self, trials: PlanTrials, seconds: float, result: TrialResult, follow_up: PlanTrials | None = None):
         self.trials = trials
         self.seconds = seconds
+        self.result = result
+        self.follow_up = follow_up
         self.window: list[float] = []
         self.seen = 0
         self.slow_windows = 0
@@ -294,8 +354,17 @@ class ChoiceWatch:
             dist.ReduceOp.MAX, channels.process_group, trials.device,
             "the check of auto's choice (every 16 iterations)", channels.timeout))
 
+    def continued(self, seconds: float, follow_up: PlanTrials | None,
+                  result: TrialResult | None = None) -> "ChoiceWatch":
+        """This watch after follow-up rounds: the kept plan's trial time `seconds`, the next
+        follow-up, and the decision `result` where they took one."""
+        self.seconds, self.follow_up, self.slow_windows = seconds, follow_up, 0
+        self.result = result or self.result
+        return self
+
     def observe(self, done: IterationDone) -> PlanTrials | None:
-        """After an iteration under the kept plan: the trials to run again, or None."""
+        """After an iteration under the kept plan: the trials to run again, the follow-up rounds to
+        run now, or None."""
         self.seen += 1
         again = self._judge_window()
         if again is not None:
@@ -305,6 +374,10 @@ class ChoiceWatch:
         if len(self.window) >= WATCH_WINDOW:
             self.slowest.start([median(self.window)])
             self.window = []
+        if self.follow_up is not None and self.seen % FOLLOW_UP_EVERY == 0:
+            follow_up, self.follow_up = self.follow_up, None
+            follow_up.handed_over(self)
+            return follow_up
         return None
 
     def _judge_window(self) -> PlanTrials | None:
