@@ -66,7 +66,7 @@ START_ITER = 2  # uncompressed steps before compression (the least the torch hoo
 LEARNING_RATE = 0.01
 ONE_BUCKET_MB = 1024  # larger than any model here
 COMPUTE_ONLY = "compute only"
-CALIBRATION_LIMIT = 300  # steps a gradsync row may take to measure its profile and time its plans
+CALIBRATION_LIMIT = 3000  # steps a gradsync row may take to measure its profile and settle its choice of plans
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -251,6 +251,7 @@ class Variant:
     codec: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
     compute_scales: list[list[float]] = field(default_factory=list)  # per timed block, its iterations'
+    settled_after: int | None = None  # the steps `calibrate` took
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
 
@@ -284,14 +285,22 @@ class Variant:
                 self.compute_scales.append([s.compute_scale for s in recent])
 
     def calibrate(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        """Consecutive steps until gradsync has measured its profile and timed its plans (no other
-        row runs in between, so that the plan trials time this row alone)."""
-        for _ in range(CALIBRATION_LIMIT):
-            if not self.gradsync or attached(self.model).measurement is None:
+        """Consecutive steps until gradsync has measured its profile and settled its choice of plans
+        (auto: its trials and any follow-up rounds), no other row running in between, so that the
+        plans are timed on this row alone; the steps it took are `settled_after`."""
+        for steps in range(CALIBRATION_LIMIT):
+            if not self.gradsync or not self.choosing():
                 self.settle()  # no op or deferred update of this row stays in flight beside the next
+                self.settled_after = steps
                 return
             self.step(inputs, labels)
         raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
+
+    def choosing(self) -> bool:
+        """Whether gradsync still measures, or auto has follow-up rounds to run."""
+        installed = attached(self.model).installed
+        watch = installed.watch
+        return installed.measurement is not None or (watch is not None and watch.follow_up is not None)
 
     def settle(self) -> None:
         """Wait for gradsync's outstanding ops and apply its deferred updates."""
@@ -308,6 +317,7 @@ class Variant:
             report["trials"] = None if trials is None else list(zip(trials.labels, trials.seconds))
             report["trial_iterations"] = None if trials is None else trials.iterations
             report["trial_summary"] = None if trials is None else trials.summary()
+            report["settled_after"] = self.settled_after
             report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
                                              installed.rank_profiles, self.compute_scales)
         return report
@@ -453,6 +463,7 @@ class RowResult:
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
     trial_iterations: int | None = None  # the iterations auto's trials took before it settled
     trial_summary: str | None = None  # what the trials kept and why, each gain with its margin (TrialResult.summary)
+    settled_after: int | None = None  # the steps before auto's choice settled (its follow-up rounds included)
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
     first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
@@ -509,7 +520,8 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
             replay = {**replay, "cost": run_cost}
             first_fit, predicted = predicted, replayed_prediction(replay)
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
-                                   row.get("trial_iterations"), row.get("trial_summary"), replay, codec, first_fit)
+                                   row.get("trial_iterations"), row.get("trial_summary"), row.get("settled_after"),
+                                   replay, codec, first_fit)
     return results
 
 
@@ -645,6 +657,8 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
                  f"{verdict(ratio, 1 - AUTO_WITHIN)}")
         if same_ops(results[auto], results[best]):
             line += " (auto ran that row's plan, op for op: the two rows differ by their measurement alone)"
+    if results[auto].settled_after is not None and results[auto].trial_iterations is not None:
+        line += f"; it settled after {results[auto].settled_after} iterations"
     if results[auto].trial_iterations is not None:
         line += f"; its trials took {results[auto].trial_iterations} iterations"
     if results[auto].trial_summary:

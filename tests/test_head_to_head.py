@@ -161,6 +161,10 @@ def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     assert line.startswith("- transformer, 2 ranks, 10gbit: auto (→ mg_wfbp) 1.18× torch DDP (target ≥ 1×): reached")
     assert "0.980× the best fixed plan (gradsync mg_wfbp) (target ≥ 0.97×): reached" in line
     assert line.endswith("its trials took 49 iterations") and "op for op" not in line
+    report["rows"][auto]["settled_after"] = 700  # its follow-up rounds included
+    [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
+    assert line.endswith("; it settled after 700 iterations; its trials took 49 iterations")
+    del report["rows"][auto]["settled_after"]
     # the trials' own verdict, each gain with its margin, follows where the rank reported it
     verdict = TrialResult(("ddp", "mg_wfbp"), (0.012, 0.0118), (0.011, 0.0105),
                           Verdict(0, False, (0.0, 0.017), (0.0, 0.024), 16, (1,)), 129)
