@@ -66,7 +66,9 @@ START_ITER = 2  # uncompressed steps before compression (the least the torch hoo
 LEARNING_RATE = 0.01
 ONE_BUCKET_MB = 1024  # larger than any model here
 COMPUTE_ONLY = "compute only"
-CALIBRATION_LIMIT = 3000  # steps a gradsync row may take to measure its profile and settle its choice of plans
+CALIBRATION_LIMIT = 300  # steps a gradsync row may take to measure its profile and time its plans
+FOLLOW_UP_STEPS = 3000  # then, steps auto may take to settle its follow-up rounds before the timed rounds
+EMULATED_FOLLOW_UP_STEPS = 0  # emulated iterations last up to a second: the follow-ups run within the rows
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -252,6 +254,7 @@ class Variant:
     predicted: list[float] = field(default_factory=list)
     compute_scales: list[list[float]] = field(default_factory=list)  # per timed block, its iterations'
     settled_after: int | None = None  # the steps `calibrate` took
+    following: bool = False  # auto's follow-up rounds went on after them
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
 
@@ -284,20 +287,27 @@ class Variant:
                 self.predicted.append(statistics.fmean(s.predicted_time for s in recent))
                 self.compute_scales.append([s.compute_scale for s in recent])
 
-    def calibrate(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        """Consecutive steps until gradsync has measured its profile and settled its choice of plans
-        (auto: its trials and any follow-up rounds), no other row running in between, so that the
-        plans are timed on this row alone; the steps it took are `settled_after`."""
-        for steps in range(CALIBRATION_LIMIT):
-            if not self.gradsync or not self.choosing():
-                self.settle()  # no op or deferred update of this row stays in flight beside the next
-                self.settled_after = steps
-                return
+    def calibrate(self, inputs: torch.Tensor, labels: torch.Tensor, follow_up_steps: int) -> None:
+        """Consecutive steps until gradsync has measured its profile and timed its plans, then
+        until auto's follow-up rounds have settled its choice or `follow_up_steps` more steps are
+        spent (the same on every rank), no other row running in between, so that the plans are timed
+        on this row alone; the steps it took are `settled_after`, and `following` says whether
+        follow-up rounds are still to come."""
+        steps = 0
+        while self.gradsync and attached(self.model).measurement is not None:
+            if steps == CALIBRATION_LIMIT:
+                raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
             self.step(inputs, labels)
-        raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
+            steps += 1
+        limit = steps + follow_up_steps
+        while self.gradsync and self.following_up() and steps < limit:
+            self.step(inputs, labels)
+            steps += 1
+        self.settle()  # no op or deferred update of this row stays in flight beside the next
+        self.settled_after, self.following = steps, self.gradsync and self.following_up()
 
-    def choosing(self) -> bool:
-        """Whether gradsync still measures, or auto has follow-up rounds to run."""
+    def following_up(self) -> bool:
+        """Whether auto has follow-up rounds under way or to come."""
         installed = attached(self.model).installed
         watch = installed.watch
         return installed.measurement is not None or (watch is not None and watch.follow_up is not None)
@@ -317,7 +327,7 @@ class Variant:
             report["trials"] = None if trials is None else list(zip(trials.labels, trials.seconds))
             report["trial_iterations"] = None if trials is None else trials.iterations
             report["trial_summary"] = None if trials is None else trials.summary()
-            report["settled_after"] = self.settled_after
+            report["settled_after"], report["following"] = self.settled_after, self.following
             report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
                                              installed.rank_profiles, self.compute_scales)
         return report
@@ -414,7 +424,7 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     generator = torch.Generator().manual_seed(rank)
     inputs, labels = workload.make_inputs(workload.batch, generator), workload.make_targets(workload.batch, generator)
     for variant in variants:
-        variant.calibrate(inputs, labels)
+        variant.calibrate(inputs, labels, job["follow_up_steps"])
     by_label = {variant.label: variant for variant in variants}
     midway = job["warmup_rounds"] + job["rounds"] // 2
     cpu_started, wall_started = time.process_time(), time.perf_counter()
@@ -463,7 +473,8 @@ class RowResult:
     trials: list | None = None  # (planner, median seconds) of the plans `auto` timed
     trial_iterations: int | None = None  # the iterations auto's trials took before it settled
     trial_summary: str | None = None  # what the trials kept and why, each gain with its margin (TrialResult.summary)
-    settled_after: int | None = None  # the steps before auto's choice settled (its follow-up rounds included)
+    settled_after: int | None = None  # the steps before the timed rounds (auto: its follow-up rounds included)
+    following: bool = False  # auto's follow-up rounds went on into the timed rounds
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
     first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
@@ -521,7 +532,7 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
             first_fit, predicted = predicted, replayed_prediction(replay)
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
                                    row.get("trial_iterations"), row.get("trial_summary"), row.get("settled_after"),
-                                   replay, codec, first_fit)
+                                   row.get("following", False), replay, codec, first_fit)
     return results
 
 
@@ -658,7 +669,8 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
         if same_ops(results[auto], results[best]):
             line += " (auto ran that row's plan, op for op: the two rows differ by their measurement alone)"
     if results[auto].settled_after is not None and results[auto].trial_iterations is not None:
-        line += f"; it settled after {results[auto].settled_after} iterations"
+        line += (f"; its follow-up rounds went on into the timed rounds after {results[auto].settled_after} iterations"
+                 if results[auto].following else f"; it settled after {results[auto].settled_after} iterations")
     if results[auto].trial_iterations is not None:
         line += f"; its trials took {results[auto].trial_iterations} iterations"
     if results[auto].trial_summary:
@@ -860,7 +872,7 @@ def network_specs(args) -> list[tuple[str, int, object, dict | None]]:
 
 def run_settings(args) -> tuple[dict, dict, dict]:
     job = {"rows": args.rows, "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "block": args.block,
-           "time_scale": args.time_scale}
+           "time_scale": args.time_scale, "follow_up_steps": args.follow_up_steps}
     summaries, costs, failures = {}, {}, {}
     for network, world_size, spec, topology in network_specs(args):
         with netbed(spec):
@@ -906,6 +918,9 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--warmup-rounds", type=int, default=4, help="untimed rounds first")
     cli.add_argument("--block", type=int, help=f"timed iterations per block (default: {BLOCK}; with --emulated "
                      f"{EMULATED_BLOCK})")
+    cli.add_argument("--follow-up-steps", type=int,
+                     help=f"steps auto may take after its trials to settle its follow-up rounds before the timed "
+                          f"rounds (default: {FOLLOW_UP_STEPS}; with --emulated {EMULATED_FOLLOW_UP_STEPS})")
     cli.add_argument("--timeout", type=float, default=1200.0, help="seconds per job before its ranks are killed")
     cli.add_argument("--quick", action="store_true", help="CNN, 2 ranks, 1 Gbit/s, rows " + ", ".join(QUICK_ROWS))
     cli.add_argument("--out", type=Path, default=RESULTS / "head_to_head.md", help="markdown; the PNG goes beside it")
@@ -925,6 +940,8 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.world_sizes = args.world_sizes or ([4, 8] if args.emulated else [2, 4])
     args.rates = args.rates or list(EMULATED_RATES if args.emulated else RATE_PRESETS)
     args.block = args.block or (EMULATED_BLOCK if args.emulated else BLOCK)
+    if args.follow_up_steps is None:
+        args.follow_up_steps = EMULATED_FOLLOW_UP_STEPS if args.emulated else FOLLOW_UP_STEPS
     if args.quick:
         args.models, args.world_sizes, args.rates, args.rows, args.rounds = ["cnn"], [2], ["1gbit"], list(QUICK_ROWS), 3
     if args.rows is None:

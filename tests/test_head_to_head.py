@@ -164,7 +164,11 @@ def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     report["rows"][auto]["settled_after"] = 700  # its follow-up rounds included
     [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
     assert line.endswith("; it settled after 700 iterations; its trials took 49 iterations")
-    del report["rows"][auto]["settled_after"]
+    report["rows"][auto]["following"] = True  # the follow-up step budget spent first
+    [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
+    assert line.endswith("; its follow-up rounds went on into the timed rounds after 700 iterations; "
+                         "its trials took 49 iterations")
+    del report["rows"][auto]["settled_after"], report["rows"][auto]["following"]
     # the trials' own verdict, each gain with its margin, follows where the rank reported it
     verdict = TrialResult(("ddp", "mg_wfbp"), (0.012, 0.0118), (0.011, 0.0105),
                           Verdict(0, False, (0.0, 0.017), (0.0, 0.024), 16, (1,)), 129)
@@ -197,6 +201,17 @@ def test_emulated_runs_time_longer_blocks_unless_told():
 
     assert (block(), block("--emulated"), block("--emulated", "--block", "3")) == (BLOCK, EMULATED_BLOCK, 3)
     assert EMULATED_BLOCK > BLOCK
+
+
+def test_emulated_runs_leave_auto_s_follow_ups_to_the_timed_rounds_unless_told():
+    from benchmarks.head_to_head import EMULATED_FOLLOW_UP_STEPS, FOLLOW_UP_STEPS, parser, with_defaults
+
+    def steps(*argv):
+        return with_defaults(parser().parse_args(list(argv))).follow_up_steps
+
+    assert (steps(), steps("--emulated"), steps("--emulated", "--follow-up-steps", "500")) == (
+        FOLLOW_UP_STEPS, EMULATED_FOLLOW_UP_STEPS, 500)
+    assert EMULATED_FOLLOW_UP_STEPS < FOLLOW_UP_STEPS
 
 
 def test_on_request_rows_run_only_when_named_and_topology_rows_only_on_a_topology():

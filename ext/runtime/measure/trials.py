@@ -356,9 +356,15 @@ class ChoiceWatch:
 
     def continued(self, seconds: float, follow_up: PlanTrials | None,
                   result: TrialResult | None = None) -> "ChoiceWatch":
-        """This watch after follow-up rounds: the kept plan's trial time `seconds`, the next
-        follow-up, and the decision `result` where they took one."""
-        self.seconds, self.follow_up, self.slow_windows = seconds, follow_up, 0
+        """This watch after follow-up rounds, its windows started afresh.
+
+        Args:
+            seconds: the kept plan's median visit time over the rounds so far.
+            follow_up: the next follow-up rounds, or None.
+            result: the decision the follow-up rounds took, if any (else the report keeps the
+                earlier one).
+        """
+        self.seconds, self.follow_up, self.slow_windows, self.window = seconds, follow_up, 0, []
         self.result = result or self.result
         return self
 
