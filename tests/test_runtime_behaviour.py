@@ -12,6 +12,7 @@ import gradsync
 from gradsync import ConfigError, CostModel
 from gradsync.launch import run_local
 from gradsync.runtime import attached, statistics
+from gradsync.runtime.measure.trials import PlanTrials
 from launches import side_by_side
 from runtime_models import COST, TiedNet, batch, synthetic_profile
 
@@ -675,22 +676,28 @@ def test_a_buffer_replaced_after_the_wrap_still_gets_rank_0s_values():
 
 def forward_hooks_by_plan(rank, world_size):
     """The owner modules with a pre-forward hook after two iterations, per scheduler: none where the
-    plan defers nothing, the deferred gradients' owners where it does, and every owner while a
-    measurement runs."""
+    plan defers nothing, the deferred gradients' owners where it does, every owner while the layers
+    are timed, and none while auto's trials time plans that defer nothing."""
     hooked = {}
-    for name in ("ddp", "us_byte", "measuring"):
+    for name in ("ddp", "us_byte", "measuring", "trials"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                     torch.nn.ReLU(), torch.nn.Linear(64, 2))
-        profile = "measure" if name == "measuring" else synthetic_profile(model)
+        measured = name in ("measuring", "trials")
+        options = {"scheduler": "auto", "candidates": ("ddp", "wfbp"), "plan_trials": 2, "warmup_iterations": 1,
+                   "measure_iterations": 2} if name == "trials" else {"scheduler": "ddp" if measured else name,
+                                                                      "warmup_iterations": 5}
         model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                         scheduler="ddp" if name == "measuring" else name, profile=profile,
-                                         cost=COST, timeout=20, warmup_iterations=5)
-        for _ in range(2):
+                                         profile="measure" if measured else synthetic_profile(model),
+                                         cost=COST, timeout=20, **options)
+        sync = attached(model)
+        for iteration in range(20):
+            timing_plans = isinstance(sync.measurement, PlanTrials)  # this forward runs under the trials
             model(torch.randn(3, 4)).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-        sync = attached(model)
+            if iteration >= 1 and (name != "trials" or timing_plans):
+                break
         deferring = sorted({sync.module_of[t] for op in sync.plan.ops if op.gates_forward for t in op.tensors()})
         hooked[name] = (sorted(sync.forward_hooks), deferring, sync.measurement is not None)
         sync.detach()
@@ -703,6 +710,7 @@ def test_pre_forward_hooks_sit_only_where_updates_may_wait():
         us_byte, deferring, _ = hooked["us_byte"]
         assert us_byte == deferring and deferring
         assert hooked["measuring"] == (["0", "2", "4"], [], True)
+        assert hooked["trials"] == ([], [], True)
 
 
 def test_profile_that_does_not_match_the_model_is_refused():

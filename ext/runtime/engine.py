@@ -224,11 +224,12 @@ class GradSync:
 
     def _hook_forwards_where_needed(self) -> None:
         """Pre-forward hooks (``_pre_forward_for``) on the owner modules that need one in this
-        forward pass: every one while a measurement runs or a trace records (their forward times),
-        else those whose gradients a plan in force defers to the next forward, and those with an
-        update still pending. Each hook costs every forward pass a Python call, so a plan that defers
-        nothing runs none. Only a module with one is judged silent (``_begin_backward``)."""
-        plans, measuring = self.installed.plans, self.measurement is not None
+        forward pass: every one while a measurement times the layers or a trace records (their
+        forward times), else those whose gradients a plan in force defers to the next forward, and
+        those with an update still pending. Each hook costs every forward pass a Python call, so a
+        plan that defers nothing runs none (also while auto's trials time it). Only a module with
+        one is judged silent (``_begin_backward``)."""
+        plans, measuring = self.installed.plans, self.measurement is not None and self.measurement.times_layers
         made_for = self.forward_hooks_for
         if made_for is None or made_for[0] is not plans or made_for[1] != measuring:
             self.forward_hooks_for = (plans, measuring)

@@ -87,7 +87,11 @@ class TrialsDone:
 
 class Measurement:
     """A measurement in progress: the engine reports its hooks (no-ops by default) and every
-    synchronised iteration to it."""
+    synchronised iteration to it. `times_layers`: it reads every owner module's forward start
+    (``module_start``), for which the engine hooks every module's forward; else it hooks only
+    those a plan needs, so that what is timed runs as it will afterwards."""
+
+    times_layers = False
 
     def forward_start(self) -> None:
         """A forward pass begins."""

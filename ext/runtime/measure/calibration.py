@@ -33,6 +33,8 @@ class ProfileCalibration(Measurement):
         name: the profile's name.
     """
 
+    times_layers = True
+
     def __init__(self, table: ParameterTable, host: float, channels: Channels, warmup: int, iterations: int,
                  name: str, steady_rounds: list[tuple[str, ...]]):
         self.timer = LayerTimer(table)
