@@ -300,17 +300,11 @@ class Variant:
             self.step(inputs, labels)
             steps += 1
         limit = steps + follow_up_steps
-        while self.gradsync and self.following_up() and steps < limit:
+        while self.gradsync and attached(self.model).installed.following_up and steps < limit:
             self.step(inputs, labels)
             steps += 1
         self.settle()  # no op or deferred update of this row stays in flight beside the next
-        self.settled_after, self.following = steps, self.gradsync and self.following_up()
-
-    def following_up(self) -> bool:
-        """Whether auto has follow-up rounds under way or to come."""
-        installed = attached(self.model).installed
-        watch = installed.watch
-        return installed.measurement is not None or (watch is not None and watch.follow_up is not None)
+        self.settled_after, self.following = steps, self.gradsync and attached(self.model).installed.following_up
 
     def settle(self) -> None:
         """Wait for gradsync's outstanding ops and apply its deferred updates."""
@@ -668,10 +662,11 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
                  f"{verdict(ratio, 1 - AUTO_WITHIN)}")
         if same_ops(results[auto], results[best]):
             line += " (auto ran that row's plan, op for op: the two rows differ by their measurement alone)"
-    if results[auto].settled_after is not None and results[auto].trial_iterations is not None:
-        line += (f"; its follow-up rounds went on into the timed rounds after {results[auto].settled_after} iterations"
-                 if results[auto].following else f"; it settled after {results[auto].settled_after} iterations")
     if results[auto].trial_iterations is not None:
+        settled = results[auto].settled_after
+        if settled is not None:
+            line += (f"; its follow-up rounds went on into the timed rounds after {settled} iterations"
+                     if results[auto].following else f"; it settled after {settled} iterations")
         line += f"; its trials took {results[auto].trial_iterations} iterations"
     if results[auto].trial_summary:
         line += f" ({results[auto].trial_summary})"

@@ -409,7 +409,7 @@ def training_with_follow_ups(rank, world_size):
     error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     report = gradsync.report(model)
     result = {"error": error, "trials": report.trials, "chosen": report.chosen, "logged": logged,
-              "follow_up_pending": sync.installed.watch is not None and sync.installed.watch.follow_up is not None}
+              "follow_up_pending": sync.installed.following_up}
     sync.detach()
     return result
 

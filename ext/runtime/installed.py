@@ -124,6 +124,12 @@ class InstalledPlans:
                 for layout, entry in self.layout_plans.items()}
 
     @property
+    def following_up(self) -> bool:
+        """Whether a measurement runs, or auto's follow-up rounds are still to come: its choice may
+        yet change."""
+        return self.measurement is not None or (self.watch is not None and self.watch.follow_up is not None)
+
+    @property
     def steady_layouts(self) -> tuple[str, ...]:
         return tuple(steady_layouts(self.codec))
 
