@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from scipy.stats import binom
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 
@@ -543,6 +544,53 @@ def paired_ratio(results: dict[str, RowResult], label: str, baseline: str = ROWS
     return statistics.median(row / base for row, base in zip(results[label].blocks, results[baseline].blocks, strict=True))
 
 
+def round_times(row: RowResult, rounds: int) -> list[float]:
+    """A row's time in each timed round: its block's, or the median of its blocks where it ran
+    several a round (the overhead's pair)."""
+    per_round, extra = divmod(len(row.blocks), rounds)
+    if per_round < 1 or extra:
+        raise ValueError(f"row {row.label!r}: {len(row.blocks)} blocks do not divide into {rounds} rounds")
+    return [statistics.median(row.blocks[index * per_round:(index + 1) * per_round]) for index in range(rounds)]
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of `values` at `confidence` (the sign test's:
+    the k-th smallest and largest value, k from the binomial(n, ½) quantile); None where too few
+    values for one (fewer than 6 at 95%)."""
+    ordered = sorted(values)
+    below = int(binom.ppf((1 - confidence) / 2, len(ordered), 0.5))  # values left out at each end
+    if below < 1:
+        return None
+    return ordered[below - 1], ordered[len(ordered) - below]
+
+
+def held_out_best(results: dict[str, RowResult], label: str, fixed: list[str]) -> tuple[list[float], list[str]]:
+    """The fastest fixed row's time over `label`'s, paired by round, the fastest chosen on the
+    other half of the rounds (even rounds against odd, then the other way): the fastest of several
+    rows on the rounds it is compared on is the one whose blocks ran fast by chance as much as by
+    plan, so comparing with it there understates `label` by its luck (the winner's curse). Returns
+    the ratios (the fastest's time / `label`'s, both halves pooled) and the row chosen on each half.
+    """
+    rounds = len(results[label].blocks)
+    times = {name: round_times(results[name], rounds) for name in [label, *fixed]}
+    halves = (range(0, rounds, 2), range(1, rounds, 2))
+    ratios, chosen = [], []
+    for choose_on, compare_on in (halves, halves[::-1]):
+        best = min(fixed, key=lambda name: statistics.median(times[name][index] for index in choose_on))
+        chosen.append(best)
+        ratios += [times[best][index] / times[label][index] for index in compare_on]
+    return ratios, chosen
+
+
+def paired_target(ratios: list[float], what: str, goal: float) -> str:
+    """"0.98× the best fixed plan (95% interval 0.95–1.01) (target ≥ 0.97×): reached": the median of
+    same-round ratios, the interval of that median, the verdict on the median."""
+    value = statistics.median(ratios)
+    interval = median_interval(ratios)
+    spread = "" if interval is None else f" (95% interval {interval[0]:.3f}–{interval[1]:.3f})"
+    return f"{value:.3f}× {what}{spread} (target ≥ {goal:g}×): {verdict(value, goal)}"
+
+
 def cost_line(fits: list[dict], world_size: int) -> str:
     """The job's fitted all-reduce cost, the median of its fits (`median_cost`), with b read as a
     ring's per-link bandwidth (2(N−1)/N bytes per byte); and the range of the fits' host time and
@@ -648,18 +696,24 @@ def same_ops(first: RowResult, second: RowResult) -> bool:
 
 def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list[str]) -> str | None:
     """auto against torch DDP (target ≥ 1×) and against the fastest fixed non-compressing plan of
-    the setting (target: within 3%), with the iterations its trials took; None without an auto row."""
-    auto = ROWS["auto"].label
+    the setting (target: within 3%), each the median of same-round ratios with its interval, the
+    fastest chosen on the other half of the rounds (``held_out_best``); then the ratio of the
+    medians over all rounds, and the iterations its trials took; None without an auto row."""
+    auto, ddp = ROWS["auto"].label, ROWS["ddp"].label
     if auto not in results:
         return None
+    rounds = len(results[auto].blocks)
+    line = f"- {setting.model}, {setting.world_size} ranks, {setting.network}: auto (→ {results[auto].plan}) "
+    if ddp in results:
+        ratios = [base / own for base, own in zip(round_times(results[ddp], rounds), results[auto].blocks)]
+        line += paired_target(ratios, "torch DDP", 1.0) + f" (ratio of the medians {speedup(results, auto):.3f}×)"
     fixed = {label: results[label].seconds for label in plan_rows if label in results and label != auto}
-    line = (f"- {setting.model}, {setting.world_size} ranks, {setting.network}: auto (→ {results[auto].plan}) "
-            + speedup_target(speedup(results, auto), "torch DDP", 1.0))
-    if fixed:
+    if fixed and rounds >= 2:
+        ratios, chosen = held_out_best(results, auto, list(fixed))
         best = min(fixed, key=fixed.get)
-        ratio = fixed[best] / results[auto].seconds
-        line += (f"; {ratio:.3f}× the best fixed plan ({best}) (target ≥ {1 - AUTO_WITHIN:g}×): "
-                 f"{verdict(ratio, 1 - AUTO_WITHIN)}")
+        line += ("; " + paired_target(ratios, "the best fixed plan", 1 - AUTO_WITHIN)
+                 + f" (chosen on the other half of the rounds: {', '.join(dict.fromkeys(chosen))}; over all rounds "
+                 f"the fastest row is {best}, {fixed[best] / results[auto].seconds:.3f}× by the ratio of the medians)")
         if same_ops(results[auto], results[best]):
             line += " (auto ran that row's plan, op for op: the two rows differ by their measurement alone)"
     if results[auto].trial_iterations is not None:
@@ -733,6 +787,11 @@ NOTES = [
     " choosing (plan trials, run alone: rounds of 2 iterations per plan, forth then back, torch DDP's buckets"
     " kept unless another plan is faster at 95% confidence; the slowest rank's median visit; the iterations"
     " they took).",
+    "auto's targets pair the blocks of a round (the rows run interleaved, so a round's blocks share the host's"
+    " phase): the median over rounds of torch DDP's time, or the best fixed plan's, over auto's, with the"
+    " sign test's 95% interval of that median. The best fixed plan is chosen on the even rounds and compared"
+    " on the odd ones, then the other way round: the fastest of several rows on the rounds it is compared on"
+    " is partly the luckiest (the winner's curse), which would understate auto by that luck.",
     f"Compressors: rank {LOW_RANK}, {START_ITER} uncompressed steps first, error feedback, for the torch"
     " PowerSGD hook and gradsync's powersgd and acp_sgd alike; plain SGD (lr 0.01) everywhere. The PowerSGD"
     " hook row runs DDP with one bucket: on gloo the hook's second all-reduce is launched from a callback"
