@@ -57,7 +57,7 @@ def wrap(
     broadcast_buffers: bool = True,
     warmup_iterations: int = 1,
     measure_iterations: int = 3,
-    plan_trials: int = 3,
+    plan_trials: int = 4,
     replan: bool = True,
     transport: str = "allreduce",
     topology=None,
@@ -94,7 +94,7 @@ def wrap(
             its forward left them), ready for the next forward, as DDP does.
         warmup_iterations, measure_iterations: iterations skipped, then timed, by ``profile="measure"``.
         plan_trials: with a choosing scheduler (``auto``) and a measured profile, how many plans to
-            time on the job (torch DDP's buckets, auto's choice, the next best predicted): DDP's are
+            time on the job (torch DDP's buckets, auto's choice, the next two best predicted): DDP's are
             kept unless another is faster with auto's `confidence` (``runtime.measure.trials``),
             and plans the trials left undecided are timed again as training goes on; below 2,
             auto's choice is kept untimed.

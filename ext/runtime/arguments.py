@@ -60,7 +60,7 @@ class WrapArguments:
 def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int | None = None,
                          profile="measure", cost="measure", trace=None, timeout: float = 600.0,
                          nonfinite: str = "raise", broadcast_buffers: bool = True, warmup_iterations: int = 1,
-                         measure_iterations: int = 3, plan_trials: int = 3, replan: bool = True,
+                         measure_iterations: int = 3, plan_trials: int = 4, replan: bool = True,
                          transport: str = "allreduce", topology=None, **options) -> WrapArguments:
     """``wrap``'s arguments checked, with the scheduler bound once (``planners.bind``): ConfigError
     naming the argument otherwise. No collective.
