@@ -842,11 +842,12 @@ def markdown(command: str, summaries: dict[Setting, dict[str, RowResult]], costs
 
 
 def replay_file(summaries: dict[Setting, dict[str, RowResult]]) -> dict:
-    """Per setting, each gradsync row's measured time, prediction and what it was predicted from:
-    the data benchmarks.simulator_replay re-predicts."""
+    """Per setting, every row's measured time and blocks (the slowest rank's, in run order, so the
+    rows can be paired by round again) and, for gradsync rows, the prediction and what it was
+    predicted from: the data benchmarks.simulator_replay re-predicts (a torch row's `replay` is None)."""
     return {setting.title: {label: {"seconds": row.seconds, "blocks": list(row.blocks), "predicted": row.predicted,
                                     "replay": row.replay}
-                            for label, row in results.items() if row.replay is not None}
+                            for label, row in results.items()}
             for setting, results in summaries.items()}
 
 

@@ -75,13 +75,15 @@ def timed_as(wire: ModelProfile, profile: ModelProfile | None) -> ModelProfile:
 
 
 def replay(stored: dict, slowdowns: tuple[float, float] | None = None) -> list[tuple[str, str, float, float, float]]:
-    """(setting, row, measured, stored prediction, prediction now) of every replayable row; with
+    """(setting, row, measured, stored prediction, prediction now) of every gradsync row; with
     `slowdowns` (σ, τ) in place of the fitted ones, e.g. (1, 1) for a computation that leaves the
     core to the transfers."""
     rows = []
     for setting, entries in stored.items():
         for label, row in entries.items():
-            record = row["replay"]
+            record = row.get("replay")
+            if record is None:  # a torch row: measured only
+                continue
             if slowdowns is not None:
                 cost = {**record["cost"], "compute_slowdown": slowdowns[0], "transfer_slowdown": slowdowns[1]}
                 record = {**record, "cost": cost}

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
                                      Setting, cost_line, default_rows, held_out_best, median_cost, median_interval,
-                                     paired_ratio, round_order, round_times, setting_table, steal_note,
-                                     stolen_cpu_seconds, summarise, targets)
+                                     paired_ratio, replay_file, round_order, round_times, setting_table,
+                                     steal_note, stolen_cpu_seconds, summarise, targets)
 from benchmarks.simulator_replay import replay_record, replayed_prediction
 from gradsync import compress, planners
 from gradsync.planning import predict_cycle
@@ -259,6 +259,15 @@ def test_choosing_the_best_fixed_plan_on_other_rounds_removes_the_winners_curse(
         held_out.append(statistics.median(held_out_best(results, "auto", labels)[0]))
     assert statistics.fmean(naive) < 0.96  # auto judged 4% slower than plans no faster than it
     assert abs(statistics.fmean(held_out) - 1) < 0.01
+
+
+def test_the_stored_record_keeps_every_rows_blocks_for_pairing_them_again():
+    auto = ROWS["auto"].label
+    report = rank_report({COMPUTE_ONLY: [0.5, 0.6], DDP: [1.0, 1.2, 1.1, 1.3], auto: [0.9, 1.1]})
+    stored = json.loads(json.dumps(replay_file({Setting("cnn", 2, "1gbit"): summarise([report])})))
+    [rows] = stored.values()
+    assert rows[DDP] == {"seconds": 1.15, "blocks": [1.0, 1.2, 1.1, 1.3], "predicted": None, "replay": None}
+    assert rows[auto]["blocks"] == [0.9, 1.1] and rows[COMPUTE_ONLY]["blocks"] == [0.5, 0.6]
 
 
 def test_emulated_runs_time_longer_blocks_unless_told():

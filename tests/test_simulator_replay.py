@@ -33,8 +33,9 @@ def test_a_stored_row_replays_to_the_prediction_made_from_it(compressor):
 def test_replay_lists_every_row_and_prints_both_errors(tmp_path, capsys):
     cost = CostModel(a=1e-3, b=8e-9)
     record, seconds = stored_row(None, cost)
-    stored = {"setting": {"gradsync mg_wfbp": {"seconds": seconds * 2, "predicted": seconds * 1.5, "replay": record}}}
-    rows = replay(stored)
+    stored = {"setting": {"gradsync mg_wfbp": {"seconds": seconds * 2, "predicted": seconds * 1.5, "replay": record},
+                          "torch DDP": {"seconds": seconds, "blocks": [seconds], "predicted": None, "replay": None}}}
+    rows = replay(stored)  # the torch row is measured only
     assert len(rows) == 1 and rows[0][:4] == ("setting", "gradsync mg_wfbp", seconds * 2, seconds * 1.5)
     assert rows[0][4] == pytest.approx(seconds)
     path = tmp_path / "head_to_head.json"
