@@ -707,8 +707,12 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
     if ddp in results:
         ratios = [base / own for base, own in zip(round_times(results[ddp], rounds), results[auto].blocks)]
         line += paired_target(ratios, "torch DDP", 1.0) + f" (ratio of the medians {speedup(results, auto):.3f}×)"
+    else:
+        line += speedup_target(None, "torch DDP", 1.0)
     fixed = {label: results[label].seconds for label in plan_rows if label in results and label != auto}
-    if fixed and rounds >= 2:
+    if fixed and rounds < 2:
+        line += "; against the best fixed plan: not measured in this run (it is chosen on other rounds than one)"
+    elif fixed:
         ratios, chosen = held_out_best(results, auto, list(fixed))
         best = min(fixed, key=fixed.get)
         line += ("; " + paired_target(ratios, "the best fixed plan", 1 - AUTO_WITHIN)

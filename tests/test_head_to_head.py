@@ -214,6 +214,12 @@ def test_auto_s_targets_pair_the_blocks_of_a_round_with_the_medians_interval():
     assert "auto (→ None) 1.078× torch DDP (95% interval 1.078–1.618) (target ≥ 1×): reached" in line
     assert "0.980× the best fixed plan (95% interval 0.980–1.471) (target ≥ 0.97×): reached" in line
     assert "the fastest row is gradsync mg_wfbp, 1.176× by the ratio of the medians" in line
+    one_round = rank_report({COMPUTE_ONLY: [0.5], DDP: [1.1] * OVERHEAD_PAIRS, mg_wfbp: [1.0], auto: [1.02]})
+    [line, *_] = targets({Setting("cnn", 2, "1gbit"): summarise([one_round])})
+    assert "; against the best fixed plan: not measured in this run" in line
+    without_ddp = rank_report({COMPUTE_ONLY: [0.5] * 2, mg_wfbp: [1.0] * 2, auto: [1.02] * 2})
+    [line, *_] = targets({Setting("cnn", 2, "1gbit"): summarise([without_ddp])})
+    assert "auto (→ None) against torch DDP: not measured in this run; 0.980× the best fixed plan" in line
 
 
 def test_the_medians_interval_is_the_narrowest_sign_test_interval_at_95_percent():
