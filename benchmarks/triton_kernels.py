@@ -13,6 +13,9 @@ run while that write is on the device, so the host's cost of a launch (a Triton 
 times a torch operation's) is left out of the device time and reported in its own column, the host
 time per call of back-to-back launches. Writes benchmarks/results/triton_kernels.md.
 
+`--tiles` instead times the kernel over tile sizes and warps per program (the choice of
+EF_TILE_ELEMENTS), each the best of three medians, into benchmarks/results/triton_kernels_tiles.md.
+
 Run on a CUDA machine: `.venv/bin/python benchmarks/triton_kernels.py`; elsewhere it says that a
 GPU is needed and exits 0.
 """
@@ -30,6 +33,8 @@ SHAPES = ((768, 768), (768, 3072), (3072, 768), (30522, 768))
 RANK = 4
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 RESULTS = Path(__file__).parent / "results" / "triton_kernels.md"
+TILES_RESULTS = RESULTS.with_name("triton_kernels_tiles.md")
+TILES, WARPS = (512, 1024, 2048, 4096), (2, 4, 8)
 COPY_TARGET = 0.8
 FLUSH_BYTES = 1 << 30  # written before each timed run: clears the L2 cache and covers the host's launch
 WARMUP, REPEATS = 25, 200
@@ -89,6 +94,38 @@ def measure(n: int, m: int, dtype: torch.dtype) -> dict:
     return {"shape": (n, m), "dtype": dtype, "bytes": size, "seconds": seconds}
 
 
+def tile_sweep(n: int, m: int, dtype: torch.dtype) -> dict:
+    """Device seconds of the fused update for every (tile elements, warps) of TILES × WARPS, and of
+    the copy moving its bytes: each the best of three medians (the sweep compares neighbours)."""
+    from gradsync.triton_kernels import kernels
+
+    M, E, F = (torch.randn(n, m, device="cuda", dtype=dtype) for _ in range(3))
+    P, Q = torch.randn(n, RANK, device="cuda", dtype=dtype), torch.randn(m, RANK, device="cuda", dtype=dtype)
+    source = torch.empty(moved_bytes(n, m, RANK, dtype) // 2, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+
+    def best(function) -> float:
+        return min(median_seconds(function) for _ in range(3))
+
+    seconds = {(tile, warps): best(lambda: kernels.error_feedback_update(M, E, P, Q, out=F, tile_elements=tile,
+                                                                         num_warps=warps))
+               for tile in TILES for warps in WARPS}
+    return {"shape": (n, m), "dtype": dtype, "copy": best(lambda: target.copy_(source)), "seconds": seconds}
+
+
+def tile_table(rows: list[dict]) -> list[str]:
+    """Per matrix and dtype: µs and fraction of copy bandwidth for each tile size and warp count."""
+    configs = list(rows[0]["seconds"])
+    lines = ["| matrix | dtype | copy µs | " + " | ".join(f"{tile} / {warps} warps" for tile, warps in configs) + " |",
+             "|---|---|---:|" + "---:|" * len(configs)]
+    for row in rows:
+        n, m = row["shape"]
+        cells = [f"{row['seconds'][c] * 1e6:.1f} ({row['copy'] / row['seconds'][c]:.0%})" for c in configs]
+        lines.append(f"| {n}×{m} | {str(row['dtype']).removeprefix('torch.')} | {row['copy'] * 1e6:.1f} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def rates(row: dict) -> dict:
     """A measured row's rates: the fused kernel's and the copy's bandwidth (GB/s), their ratio, the
     speed-up over eager torch, and whether the row meets the target."""
@@ -123,18 +160,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), action="append",
                         help="repeatable; default: float32 and float16")
+    parser.add_argument("--tiles", action="store_true", help="sweep tile sizes and warps instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/triton_kernels.py needs a CUDA GPU; nothing was measured.")
         return 0
-    rows = [measure(n, m, DTYPES[name]) for name in (args.dtype or ["float32", "float16"]) for n, m in SHAPES]
+    dtypes = [DTYPES[name] for name in (args.dtype or ["float32", "float16"])]
+    header = [f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}.", ""]
+    if args.tiles:
+        lines = tile_table([tile_sweep(n, m, dtype) for dtype in dtypes for n, m in SHAPES])
+        print("\n".join(lines))
+        TILES_RESULTS.write_text("\n".join([f"# Fused error-feedback update: tiles and warps, rank {RANK}", "",
+                                            *header, "µs per update (fraction of copy bandwidth)", "", *lines, ""]))
+        print(f"wrote {TILES_RESULTS}")
+        return 0
+    rows = [measure(n, m, dtype) for dtype in dtypes for n, m in SHAPES]
     lines = table(rows)
     summary = verdict(rows)
     print("\n".join(lines), summary, sep="\n")
-    header = [f"# Fused error-feedback update (ACP-SGD Algorithm 2), rank {RANK}", "",
-              f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}.", ""]
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text("\n".join(header + lines + ["", summary, ""]))
+    RESULTS.write_text("\n".join([f"# Fused error-feedback update (ACP-SGD Algorithm 2), rank {RANK}", "",
+                                  *header, *lines, "", summary, ""]))
     print(f"wrote {RESULTS}")
     return 0
 

@@ -350,8 +350,10 @@ def test_kernel_matches_reference_on_gpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape, rank", [((768, 3072), 4), ((3072, 768), 32), ((30522, 768), 4)])
+@pytest.mark.parametrize("shape, rank", [((768, 3072), 4), ((3072, 768), 32), ((30522, 768), 4), ((768, 768), 4),
+                                         ((100, 300), 3)])
 def test_error_feedback_update_on_gpu_at_bert_sizes(shape, rank, dtype):
+    """BERT-Base's matrices, and a small one whose tiles are cut at both edges."""
     generator = torch.Generator().manual_seed(7)
     n, m = shape
     M, E, P, Q = (_randn(generator, *s, dtype=dtype).cuda() for s in ((n, m), (n, m), (n, rank), (m, rank)))
@@ -372,3 +374,14 @@ def test_topk_by_threshold_on_gpu_matches_torch_topk():
 
 if __name__ == "__main__":
     run_cases_interpreted(*sys.argv[1:])
+
+
+def test_tile_sweep_table_gives_each_configuration_its_time_and_fraction_of_copy():
+    from benchmarks import triton_kernels as bench
+
+    rows = [{"shape": (768, 768), "dtype": torch.float32, "copy": 6e-6,
+             "seconds": {(1024, 4): 7.5e-6, (4096, 4): 12e-6}}]
+    header, rule, line = bench.tile_table(rows)
+    assert header == "| matrix | dtype | copy µs | 1024 / 4 warps | 4096 / 4 warps |"
+    assert rule.count("---") == 5
+    assert line == "| 768×768 | float32 | 6.0 | 7.5 (80%) | 12.0 (50%) |"

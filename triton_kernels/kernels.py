@@ -13,9 +13,13 @@ import triton.language as tl
 
 from . import common
 
-# Error feedback: tiles of 4096 elements, 512 contiguous bytes a row: 32 × 128 in float32, 16 × 256 in
-# float16 (32 × 128 left float16 at 73% of copy bandwidth on an H200, float32 at 91%).
-EF_TILE_ELEMENTS = 4096
+# Error feedback: tiles of 1024 elements, 512 contiguous bytes a row: 8 × 128 in float32, 4 × 256 in
+# float16 (32 × 128 left float16 at 73% of copy bandwidth on an H200). In a sweep on an H200 over tiles
+# of 512-4096 elements and 2-8 warps (benchmarks/results/triton_kernels_tiles.md), 1024 with Triton's
+# default 4 warps was fastest or within 0.2 µs of it in every row. In the acceptance runs 4096 left
+# 30522 × 768 at 87-92% of copy bandwidth and 768 × 768 float32 (144 programs on 132 SMs) at 73-88%;
+# 1024 took them to 96-98% and 79-94%.
+EF_TILE_ELEMENTS = 1024
 EF_ROW_BYTES = 512
 # Ranks up to this loop over r with outer products; larger ones use tl.dot with r padded to a
 # power of two >= 16 (the smallest inner dimension tl.dot takes).
@@ -60,23 +64,27 @@ def _error_feedback_kernel(m_ptr, e_ptr, p_ptr, q_ptr, out_ptr, n, m, r,
     tl.store(out_ptr + offsets, (gradient + error - low_rank).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def error_feedback_update(M, E, P, Q, out=None):
+def error_feedback_update(M, E, P, Q, out=None, tile_elements: int = EF_TILE_ELEMENTS, num_warps: int = 4):
     """E_new = M + E − P·Qᵀ without materialising P·Qᵀ: each program holds a BLOCK_N × BLOCK_M tile,
     its rows of P and columns of Qᵀ, and forms the rank-r product in registers.
 
     Args:
         M, E, P, Q, out: as ``gradsync.triton_kernels.error_feedback_update``.
+        tile_elements: elements per tile, a power of two of at least EF_ROW_BYTES / element size
+            (other values are for the tile sweep of benchmarks/triton_kernels.py).
+        num_warps: warps per program.
     """
     out = common.error_feedback_args(M, E, P, Q, out)
     (n, m), r = M.shape, P.shape[1]
     use_dot = r > EF_LOOP_MAX_RANK
     block_r = max(DOT_MIN_INNER, triton.next_power_of_2(r)) if use_dot else r
     block_m = EF_ROW_BYTES // M.element_size()
-    block_n = EF_TILE_ELEMENTS // block_m
+    block_n = tile_elements // block_m
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     with _on_device(M):
         _error_feedback_kernel[grid](M, E, P, Q, out, n, m, r, BLOCK_N=block_n, BLOCK_M=block_m,
-                                     BLOCK_R=block_r, USE_DOT=use_dot, IEEE_DOT=M.dtype == torch.float32)
+                                     BLOCK_R=block_r, USE_DOT=use_dot, IEEE_DOT=M.dtype == torch.float32,
+                                     num_warps=num_warps)
     return out
 
 
