@@ -254,3 +254,52 @@ def test_a_channels_last_weight_is_copied_and_the_rest_adopted():
     for largest, spans in run_local(channels_last_trains_like_ddp, 2):
         assert largest < 1e-6
         assert spans == [[False, True, True, True]] * 3
+
+
+def packing_at_once_and_slice_by_slice_agree(rank, world_size):
+    """Per scheduler, three steps with every op packed at once (its gradients copied together, its
+    data scaled in one pass) and with every slice packed alone: per step, each way's largest
+    difference from torch DDP's gradients, the two ways' gradients, and which ops each packed at once."""
+    from gradsync.runtime import executor as executor_module
+
+    default = executor_module.FUSED_PACK_MEAN_BYTES
+    results = {}
+    try:
+        for scheduler in ("ddp", "wfbp"):
+            for mean_bytes in (10**9, 0):
+                executor_module.FUSED_PACK_MEAN_BYTES = mean_bytes
+                torch.manual_seed(5)
+                model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+                reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+                model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                 scheduler=scheduler, cost=COST)
+                ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+                generator = torch.Generator().manual_seed(rank)
+                steps = []
+                for _ in range(3):
+                    inputs = torch.randn(4, 6, generator=generator)
+                    for net, opt in ((model, optimizer), (reference, ref_optimizer)):
+                        opt.zero_grad()
+                        net(inputs).square().mean().backward()
+                    optimizer.synchronize()
+                    steps.append((max((p.grad - q.grad).abs().max().item()
+                                      for p, q in zip(model.parameters(), reference.module.parameters())),
+                                  [p.grad.clone() for p in model.parameters()]))
+                    optimizer.step()
+                    ref_optimizer.step()
+                at_once = [op.fused_data is not None for op in attached(model).executor.ops]
+                attached(model).detach()
+                results[scheduler, mean_bytes] = steps, at_once
+    finally:
+        executor_module.FUSED_PACK_MEAN_BYTES = default
+    return results
+
+
+def test_packing_an_op_at_once_gives_the_bits_of_packing_it_slice_by_slice():
+    for results in run_local(packing_at_once_and_slice_by_slice_agree, 2):
+        for scheduler in ("ddp", "wfbp"):
+            (fused_steps, fused_ops), (sliced_steps, sliced_ops) = results[scheduler, 10**9], results[scheduler, 0]
+            assert fused_ops and all(fused_ops) and not any(sliced_ops)
+            for (fused_gap, fused_grads), (sliced_gap, sliced_grads) in zip(fused_steps, sliced_steps):
+                assert fused_gap < 1e-6 and sliced_gap < 1e-6
+                assert all(torch.equal(a, b) for a, b in zip(fused_grads, sliced_grads))

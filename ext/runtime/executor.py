@@ -35,6 +35,13 @@ from .channels import Channels
 from .op_buffers import SharedOpBuffers
 from .partition import Partition
 
+# An op whose slices are all whole gradients sent as they are, at most this many bytes a tensor on
+# average, is packed by one copy of them all and one scaling of its data: on the CPU, per-tensor
+# scaling costs about 2.5 µs of dispatch a tensor, more than a second pass over this many bytes
+# (158 tensors of 4.7 KB: 100 µs instead of 400; at 180 KB a tensor the two tie; over a 17M-parameter
+# transformer's 68 MB the second pass costs 45% more). On a GPU the copy is one multi-tensor kernel.
+FUSED_PACK_MEAN_BYTES = 16 * 1024
+
 
 @dataclass
 class _OpState:
@@ -63,6 +70,8 @@ class _OpState:
     # per slice, the buffer's span in its parameter's shape where the gradient travels as it is and
     # whole (``_direct_spans``), else None
     direct: list[torch.Tensor | None] = field(default_factory=list)
+    # where every slice is direct and small (FUSED_PACK_MEAN_BYTES): the buffer's data, scaled at once
+    fused_data: torch.Tensor | None = None
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -103,6 +112,7 @@ class PlanExecutor:
         for index, state in enumerate(self.ops):
             for name in state.tensors:
                 self.ops_of_tensor.setdefault(name, []).append(index)
+        self.states_of_tensor = {name: [self.ops[i] for i in indices] for name, indices in self.ops_of_tensor.items()}
         self.op_counts = {name: len(indices) for name, indices in self.ops_of_tensor.items()}
         self.releases_gradients = bool(self.ops) and all(state.segments is not None for state in self.ops)
         self.spans_of_tensor: dict[str, list[tuple[int, int, torch.Tensor]]] = {}  # (offset, length, buffer view)
@@ -213,6 +223,10 @@ class PlanExecutor:
                              [buffer[position:]])
         state.all_used = torch.tensor([1.0] * len(tensors) + [0.0], dtype=buffer.dtype, device=buffer.device)
         state.direct = self._direct_spans(state)
+        data = sum(view.numel() for view in state.views)
+        if state.direct and None not in state.direct and data * buffer.element_size() <= FUSED_PACK_MEAN_BYTES * len(
+                state.direct):
+            state.fused_data = buffer[:data]
         return state
 
     def _direct_spans(self, state: _OpState) -> list[torch.Tensor | None]:
@@ -292,9 +306,12 @@ class PlanExecutor:
         self.ready.add(name)
         if self.releases_gradients:
             self._copy_in(name)
-        for index in self.ops_of_tensor[name]:
-            self.ops[index].waiting_for.discard(name)
-        self._launch_ready()
+        completes_an_op = False  # only an op that stops waiting can let ops launch (in plan order per channel)
+        for state in self.states_of_tensor[name]:
+            state.waiting_for.discard(name)
+            completes_an_op = completes_an_op or not state.waiting_for
+        if completes_an_op:
+            self._launch_ready()
 
     def end_backward(self) -> None:
         """The backward pass is over: unused tensors count as ready; forward-phase ops launch."""
@@ -361,9 +378,36 @@ class PlanExecutor:
     def _pack(self, state: _OpState) -> None:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
         buffer = state.buffer
-        gathering = self.codec.collective == "allgather"
         used = [self._used(name) for name in state.tensors]
-        used_of = dict(zip(state.tensors, used))
+        if state.fused_data is not None and all(used):
+            self._pack_fused(state)
+        else:
+            self._pack_slices(state, dict(zip(state.tensors, used)))
+        flags = state.all_used if all(used) else torch.tensor(used + [False], dtype=buffer.dtype)
+        for span in state.flags:
+            span.copy_(flags)
+        if buffer.is_floating_point():  # the used flags are 0 or 1: the sum is not finite only for the data
+            nonfinite = checksum(buffer) * 0  # 0, or NaN where an element is inf or NaN: summed, it stays NaN
+            for span in state.flags:
+                span[-1].copy_(nonfinite)
+        for name in state.tensors if self.releases_gradients else ():
+            self.packs_left[name] -= 1
+            if self.packs_left[name] == 0 and name not in self.released:
+                self._release(name)
+
+    def _pack_fused(self, state: _OpState) -> None:
+        """Every slice a whole gradient, every one used: one copy of them all into their spans, then
+        the op's data scaled to this rank's share of the mean in one pass. The gradients are held, as
+        in `_pack_slices`, until the next iteration starts."""
+        grads = [self.parameters[name].grad for name in state.tensors]  # one slice a tensor, in slice order
+        torch._foreach_copy_(state.direct, grads)
+        state.fused_data.mul_(self.share)
+        self.wires.update(zip(state.tensors, grads))
+
+    def _pack_slices(self, state: _OpState, used_of: dict[str, bool]) -> None:
+        """Each slice encoded into its span: a used gradient scaled to this rank's share of the mean
+        (sent as it is, or through the codec's wire), an unused one zeros."""
+        gathering = self.codec.collective == "allgather"
         for (name, offset, length, _), target, direct in zip(state.slices, state.views, state.direct):
             if name in self.released:  # copied in already
                 continue
@@ -383,17 +427,6 @@ class PlanExecutor:
                 target.copy_(_span(wire, offset, length))
             else:  # the all-reduce sums each rank's share of the mean: copy and scale in one pass
                 torch.mul(_span(wire, offset, length), self.share, out=target)
-        flags = state.all_used if all(used) else torch.tensor(used + [False], dtype=buffer.dtype)
-        for span in state.flags:
-            span.copy_(flags)
-        if buffer.is_floating_point():  # the used flags are 0 or 1: the sum is not finite only for the data
-            nonfinite = checksum(buffer) * 0  # 0, or NaN where an element is inf or NaN: summed, it stays NaN
-            for span in state.flags:
-                span[-1].copy_(nonfinite)
-        for name in state.tensors if self.releases_gradients else ():
-            self.packs_left[name] -= 1
-            if self.packs_left[name] == 0 and name not in self.released:
-                self._release(name)
 
     # -- completion --------------------------------------------------------------------------------
     def wait(self, index: int) -> None:
