@@ -8,13 +8,14 @@ runs do not grow E. The kernel's effective bandwidth counts the bytes it must mo
 write the result, read P and Q) and is compared with a device-to-device torch copy moving the same
 bytes.
 Target: >= 80% of copy bandwidth and faster than eager, in device time: medians of CUDA event
-pairs around each run, each run after a 1 GiB write that clears the L2 cache. The host enqueues the
+pairs around each run, each run after a 1 GiB write that clears the L2 cache, the four ways taking
+turns in each of 200 rounds. The host enqueues the
 run while that write is on the device, so the host's cost of a launch (a Triton launch costs several
 times a torch operation's) is left out of the device time and reported in its own column, the host
 time per call of back-to-back launches. Writes benchmarks/results/triton_kernels.md.
 
 `--tiles` instead times the kernel over tile sizes and warps per program (the choice of
-EF_TILE_ELEMENTS), each the best of three medians, into benchmarks/results/triton_kernels_tiles.md.
+EF_TILE_ELEMENTS) into benchmarks/results/triton_kernels_tiles.md.
 
 Run on a CUDA machine: `.venv/bin/python benchmarks/triton_kernels.py`; elsewhere it says that a
 GPU is needed and exits 0.
@@ -45,19 +46,27 @@ def moved_bytes(n: int, m: int, r: int, dtype: torch.dtype) -> int:
     return (3 * n * m + (n + m) * r) * torch.finfo(dtype).bits // 8
 
 
-def median_seconds(function) -> float:
-    """Median device time of `function` over REPEATS runs, each after a FLUSH_BYTES write."""
+def median_seconds(functions: dict) -> dict:
+    """Median device time of each of `functions` (label: function) over REPEATS rounds, each run
+    after a FLUSH_BYTES write. In every round the functions run in turn, so that a change of the
+    device's clocks falls on all of them alike: timed one after the other, the copy of the smallest
+    row ran 6.8 µs in one pass and 6.0 µs in the next, the kernel beside it 7.2 and 7.8 µs."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    for _ in range(WARMUP):
-        function()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPEATS)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        function()
-        end.record()
+    for function in functions.values():
+        for _ in range(WARMUP):
+            function()
+    events = {label: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(REPEATS)] for label in functions}
+    for round_index in range(REPEATS):
+        for label, function in functions.items():
+            start, end = events[label][round_index]
+            flush.zero_()
+            start.record()
+            function()
+            end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) * 1e-3
+    return {label: statistics.median(start.elapsed_time(end) for start, end in pairs) * 1e-3
+            for label, pairs in events.items()}
 
 
 def launch_seconds(function) -> float:
@@ -84,19 +93,19 @@ def measure(n: int, m: int, dtype: torch.dtype) -> dict:
     def fused():
         error_feedback_update(M, E, P, Q, out=F)
 
-    seconds = {
-        "fused": median_seconds(fused),
-        "fused_launch": launch_seconds(fused),
-        "copy": median_seconds(lambda: target.copy_(source)),
-        "eager": median_seconds(lambda: torch.add(E, M, out=F).sub_(P @ Q.T)),
-        "addmm": median_seconds(lambda: torch.add(E, M, out=F).addmm_(P, Q.T, alpha=-1)),
-    }
+    seconds = median_seconds({
+        "fused": fused,
+        "copy": lambda: target.copy_(source),
+        "eager": lambda: torch.add(E, M, out=F).sub_(P @ Q.T),
+        "addmm": lambda: torch.add(E, M, out=F).addmm_(P, Q.T, alpha=-1),
+    })
+    seconds["fused_launch"] = launch_seconds(fused)
     return {"shape": (n, m), "dtype": dtype, "bytes": size, "seconds": seconds}
 
 
 def tile_sweep(n: int, m: int, dtype: torch.dtype) -> dict:
     """Device seconds of the fused update for every (tile elements, warps) of TILES × WARPS, and of
-    the copy moving its bytes: each the best of three medians (the sweep compares neighbours)."""
+    the copy moving its bytes, all timed in turn (``median_seconds``)."""
     from gradsync.triton_kernels import kernels
 
     M, E, F = (torch.randn(n, m, device="cuda", dtype=dtype) for _ in range(3))
@@ -104,13 +113,12 @@ def tile_sweep(n: int, m: int, dtype: torch.dtype) -> dict:
     source = torch.empty(moved_bytes(n, m, RANK, dtype) // 2, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
 
-    def best(function) -> float:
-        return min(median_seconds(function) for _ in range(3))
+    def update(tile: int, warps: int):
+        return lambda: kernels.error_feedback_update(M, E, P, Q, out=F, tile_elements=tile, num_warps=warps)
 
-    seconds = {(tile, warps): best(lambda: kernels.error_feedback_update(M, E, P, Q, out=F, tile_elements=tile,
-                                                                         num_warps=warps))
-               for tile in TILES for warps in WARPS}
-    return {"shape": (n, m), "dtype": dtype, "copy": best(lambda: target.copy_(source)), "seconds": seconds}
+    seconds = median_seconds({"copy": lambda: target.copy_(source),
+                              **{(tile, warps): update(tile, warps) for tile in TILES for warps in WARPS}})
+    return {"shape": (n, m), "dtype": dtype, "copy": seconds.pop("copy"), "seconds": seconds}
 
 
 def tile_table(rows: list[dict]) -> list[str]:
