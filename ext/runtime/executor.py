@@ -224,8 +224,8 @@ class PlanExecutor:
         state.all_used = torch.tensor([1.0] * len(tensors) + [0.0], dtype=buffer.dtype, device=buffer.device)
         state.direct = self._direct_spans(state)
         data = sum(view.numel() for view in state.views)
-        if state.direct and None not in state.direct and data * buffer.element_size() <= FUSED_PACK_MEAN_BYTES * len(
-                state.direct):
+        small = data * buffer.element_size() <= FUSED_PACK_MEAN_BYTES * len(state.direct)
+        if state.direct and None not in state.direct and small:
             state.fused_data = buffer[:data]
         return state
 
