@@ -81,26 +81,32 @@ def launch_seconds(function) -> float:
     return elapsed / REPEATS
 
 
+def operands(n: int, m: int, dtype: torch.dtype) -> tuple:
+    """Random M, E, F (n × m), P (n × r), Q (m × r) on the GPU, and the copy of the update's bytes
+    (a function) it is compared with."""
+    M, E, F = (torch.randn(n, m, device="cuda", dtype=dtype) for _ in range(3))
+    P, Q = torch.randn(n, RANK, device="cuda", dtype=dtype), torch.randn(m, RANK, device="cuda", dtype=dtype)
+    source = torch.empty(moved_bytes(n, m, RANK, dtype) // 2, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    return (M, E, F, P, Q), lambda: target.copy_(source)
+
+
 def measure(n: int, m: int, dtype: torch.dtype) -> dict:
     from gradsync.triton_kernels import error_feedback_update
 
-    M, E, F = (torch.randn(n, m, device="cuda", dtype=dtype) for _ in range(3))
-    P, Q = torch.randn(n, RANK, device="cuda", dtype=dtype), torch.randn(m, RANK, device="cuda", dtype=dtype)
-    size = moved_bytes(n, m, RANK, dtype)
-    source = torch.empty(size // 2, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
+    (M, E, F, P, Q), copy = operands(n, m, dtype)
 
     def fused():
         error_feedback_update(M, E, P, Q, out=F)
 
     seconds = median_seconds({
         "fused": fused,
-        "copy": lambda: target.copy_(source),
+        "copy": copy,
         "eager": lambda: torch.add(E, M, out=F).sub_(P @ Q.T),
         "addmm": lambda: torch.add(E, M, out=F).addmm_(P, Q.T, alpha=-1),
     })
     seconds["fused_launch"] = launch_seconds(fused)
-    return {"shape": (n, m), "dtype": dtype, "bytes": size, "seconds": seconds}
+    return {"shape": (n, m), "dtype": dtype, "bytes": moved_bytes(n, m, RANK, dtype), "seconds": seconds}
 
 
 def tile_sweep(n: int, m: int, dtype: torch.dtype) -> dict:
@@ -108,15 +114,12 @@ def tile_sweep(n: int, m: int, dtype: torch.dtype) -> dict:
     the copy moving its bytes, all timed in turn (``median_seconds``)."""
     from gradsync.triton_kernels import kernels
 
-    M, E, F = (torch.randn(n, m, device="cuda", dtype=dtype) for _ in range(3))
-    P, Q = torch.randn(n, RANK, device="cuda", dtype=dtype), torch.randn(m, RANK, device="cuda", dtype=dtype)
-    source = torch.empty(moved_bytes(n, m, RANK, dtype) // 2, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
+    (M, E, F, P, Q), copy = operands(n, m, dtype)
 
     def update(tile: int, warps: int):
         return lambda: kernels.error_feedback_update(M, E, P, Q, out=F, tile_elements=tile, num_warps=warps)
 
-    seconds = median_seconds({"copy": lambda: target.copy_(source),
+    seconds = median_seconds({"copy": copy,
                               **{(tile, warps): update(tile, warps) for tile in TILES for warps in WARPS}})
     return {"shape": (n, m), "dtype": dtype, "copy": seconds.pop("copy"), "seconds": seconds}
 

@@ -372,10 +372,6 @@ def test_topk_by_threshold_on_gpu_matches_torch_topk():
     assert abs(count / 2000 - 1) < 0.3  # default s: relative std about 6%
 
 
-if __name__ == "__main__":
-    run_cases_interpreted(*sys.argv[1:])
-
-
 def test_tile_sweep_table_gives_each_configuration_its_time_and_fraction_of_copy():
     from benchmarks import triton_kernels as bench
 
@@ -385,3 +381,8 @@ def test_tile_sweep_table_gives_each_configuration_its_time_and_fraction_of_copy
     assert header == "| matrix | dtype | copy µs | 1024 / 4 warps | 4096 / 4 warps |"
     assert rule.count("---") == 5
     assert line == "| 768×768 | float32 | 6.0 | 7.5 (80%) | 12.0 (50%) |"
+
+
+if __name__ == "__main__":
+    run_cases_interpreted(*sys.argv[1:])
+

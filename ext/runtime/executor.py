@@ -379,11 +379,12 @@ class PlanExecutor:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
         buffer = state.buffer
         used = [self._used(name) for name in state.tensors]
-        if state.fused_data is not None and all(used):
+        every_one_used = all(used)
+        if state.fused_data is not None and every_one_used:
             self._pack_fused(state)
         else:
             self._pack_slices(state, dict(zip(state.tensors, used)))
-        flags = state.all_used if all(used) else torch.tensor(used + [False], dtype=buffer.dtype)
+        flags = state.all_used if every_one_used else torch.tensor(used + [False], dtype=buffer.dtype)
         for span in state.flags:
             span.copy_(flags)
         if buffer.is_floating_point():  # the used flags are 0 or 1: the sum is not finite only for the data
