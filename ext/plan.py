@@ -99,6 +99,16 @@ class Plan:
         return replace(self, ops=tuple(replace(op, deferred=op.phase == BACKWARD) for op in self.ops),
                        options={**self.options, "overlap_forward": True})
 
+    def tensors_launching_early(self) -> set[str]:
+        """The tensors whose gradients may let an op launch before the backward pass ends. A
+        forward-phase op launches once the pass is over; on a single channel the plan's last
+        backward-phase op launches after every op before it, so no earlier than the one holding the
+        pass's last gradient: at its end. Only the other backward-phase ops' tensors need to say
+        when their gradients are final (every backward-phase op's, where several channels run)."""
+        backward = [op for op in self.ops if op.phase == BACKWARD]
+        early = backward[:-1] if self.channels == 1 else backward
+        return {name for op in early for name in op.tensors()}
+
     def op_bytes(self, op: Op, profile: ModelProfile) -> int:
         tensors = profile.tensor_map()
         return sum(s.length * tensors[s.tensor].bytes_per_element for s in op.slices)

@@ -74,6 +74,16 @@ def test_deferring_the_waits_marks_every_backward_op_and_only_those():
     assert "deferred" not in made.to_json()  # plans without deferred ops keep their JSON and hash
 
 
+def test_the_tensors_launching_early_are_those_of_every_backward_op_but_a_single_channels_last():
+    ops = [Op((Slice("t1", 0, 6),)), Op((Slice("t0", 4, 6), Slice("t2", 0, 3))), Op((Slice("t0", 0, 4),)),
+           Op((Slice("t3", 0, 2),), phase=FORWARD)]
+    assert plan_of(*ops).tensors_launching_early() == {"t0", "t1", "t2"}  # t0 also in the middle op
+    assert plan_of(*ops[1:]).tensors_launching_early() == {"t0", "t2"}
+    assert plan_of(ops[0], ops[3]).tensors_launching_early() == set()
+    two_channels = [ops[0], Op((Slice("t0", 0, 10),), channel=1), ops[3]]
+    assert plan_of(*two_channels).tensors_launching_early() == {"t0", "t1"}
+
+
 @pytest.mark.parametrize(
     "op, message",
     [

@@ -43,6 +43,44 @@ def test_no_sync_accumulation_matches_ddp():
     assert max(run_local(no_sync_matches_ddp, 2)) < 1e-6
 
 
+def ready_hooks_and_gradients(rank, world_size, scheduler):
+    """A no_sync pass, then a synchronised one, with a parameter no rank uses and one that rank 1
+    uses in the first pass alone and rank 0 in the second alone: the parameters with a ready hook,
+    those the plans in force launch early, the parameters, the plan's channels, the largest
+    difference from torch DDP's gradients, and whether the same gradients are None."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
+                                     profile=synthetic_profile(model), cost=COST)
+    def loss(network, step):
+        tokens, targets = batch(rank, step)
+        return F.cross_entropy(network(tokens, use_rank0_branch=rank == 1 - step), targets)
+
+    for network, unsynced in ((model, gradsync.no_sync(model)), (reference, reference.no_sync())):
+        with unsynced:
+            loss(network, 0).backward()
+        loss(network, 1).backward()
+    optimizer.synchronize()
+    sync = attached(model)
+    early = set().union(*(plan.tensors_launching_early() for plan in sync.installed.plans.values()))
+    pairs = list(zip(model.parameters(), reference.parameters()))
+    difference = max((p.grad - q.grad).abs().max().item() for p, q in pairs if q.grad is not None)
+    return (set(sync.gradient_hooks), early, len(sync.table.parameters), sync.plan.channels, difference,
+            [p.grad is None for p, _ in pairs] == [q.grad is None for _, q in pairs])
+
+
+@pytest.mark.parametrize("scheduler", ["ddp", "wfbp", "asc_wfbp"])
+def test_only_gradients_that_can_launch_an_op_early_have_a_ready_hook_and_the_rest_still_count(scheduler):
+    """The others are marked as they arrive and sent once the backward pass ends: unused ones stay
+    untouched and no_sync ones count, as torch DDP's."""
+    for hooked, early, parameters, channels, difference, same_nones in run_local(
+            ready_hooks_and_gradients, 2, scheduler):
+        assert hooked == early
+        assert len(hooked) < parameters if channels == 1 else len(hooked) == parameters
+        assert difference < 1e-6 and same_nones
+
+
 def second_backward_before_the_step(rank, world_size, inside_no_sync):
     """A synchronised backward, then another (plain or inside no_sync) before the step: refused on
     every rank; the step then applies the first pass's averaged gradients, as after one backward."""

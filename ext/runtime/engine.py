@@ -6,10 +6,12 @@ Lifecycle of one iteration:
    run in a forward pass (e.g. nn.MultiheadAttention's out_proj, whose weight its parent reads
    directly) are updated when the model's forward starts (the hooks sit on the modules that may
    need them: ``_hook_forwards_where_needed``);
-2. backward: the first gradient's hook starts the broadcast of the first rank's buffers (ahead
-   of every op), then each parameter's post-accumulate-grad hook marks it ready; ops launch in
+2. backward: the first gradient to arrive (a hook on every parameter, before it accumulates)
+   starts the iteration and the broadcast of the first rank's buffers (ahead of every op); each
+   parameter whose gradient may let an op launch early (``Plan.tensors_launching_early``) has a
+   post-accumulate-grad hook that marks it ready, the others are marked on arrival; ops launch in
    plan order per channel as their slices become ready; when the backward pass ends, the remaining
-   (forward-phase) ops launch and the buffers' broadcast is waited for;
+   ops (the last one, the forward-phase ones) launch and the buffers' broadcast is waited for;
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
    parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
    when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
@@ -84,19 +86,20 @@ class GradSync:
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
                         model.register_state_dict_pre_hook(lambda *_: self.flush_deferred()),
                         model.register_load_state_dict_pre_hook(lambda *_: self.flush_deferred())]
-        for name, parameter in table.parameters.items():
-            self.handles.append(parameter.register_hook(self._refuse_second_backward))
-            self.handles.append(parameter.register_post_accumulate_grad_hook(self._hook_for(name)))
+        self.handles += [parameter.register_hook(self._arrival_hook_for(name))
+                         for name, parameter in table.parameters.items()]
         for module, owners in table.borrowers.values():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
         self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
-        self.forward_hooks_for: tuple | None = None  # (plans, measuring) that `forward_hooks_base` was made for
+        self.gradient_hooks: dict[str, object] = {}  # parameter -> the handle of its post-accumulate-grad hook
+        self.hooks_made_for: tuple | None = None  # (plans, timing layers) the hooks were chosen for
         self.forward_hooks_base: set[str] = set()
         for module_name, module in table.modules.items():
             if trace is not None:
                 self.handles.append(module.register_forward_hook(
                     lambda _m, _i, _o, name=module_name: trace.forward_end(name)))
         self.module_of = {name: m for m, names in table.owners.items() for name in names}
+        self._hooks_where_needed()
         _ATTACHED[model] = self
 
     @property
@@ -143,30 +146,41 @@ class GradSync:
         self.deferred.bind(optimizer)
 
     # -- hooks -------------------------------------------------------------------------------------
-    def _hook_for(self, name: str):
-        def hook(_parameter):
-            if not self.enabled:  # counted as used by the next synchronised backward, as torch DDP does
-                self.used_unsynced.add(name)
-                return
+    def _arrival_hook_for(self, name: str):
+        """The hook of parameter `name`'s gradient before it accumulates: the first of a backward
+        pass starts the iteration; a gradient whose final value no op waits for before the pass ends
+        (no hook of `_ready_hook_for` on it) is marked ready here, the ops reading it once the pass is
+        over. A backward pass after a synchronised one, with neither optimizer.step() nor
+        optimizer.zero_grad() between, would add its gradients to the averaged ones, some in buffers
+        still being reduced: refused before its first gradient accumulates."""
+        def arriving(_gradient):
             if not self.in_backward:
+                if self.gradients_held:
+                    raise RuntimeError(
+                        "a backward pass after a synchronised one and before optimizer.step(): run all but the "
+                        "last backward of a step inside gradsync.no_sync(model), or sum the losses before one "
+                        "backward (after a step skipped on purpose, as a GradScaler does, call "
+                        "optimizer.zero_grad() first)")
+                if not self.enabled:  # counted as used by the next synchronised backward, as torch DDP does
+                    self.used_unsynced.add(name)
+                    return
                 self._begin_backward()
+            if name not in self.gradient_hooks:
+                self.executor.ready.add(name)
+        return arriving
+
+    def _ready_hook_for(self, name: str):
+        """The hook of parameter `name` once its gradient has accumulated: it is final, and may let
+        an op launch."""
+        def ready(_parameter):
+            if not self.enabled:
+                return
             self.executor.mark_ready(name)
             if self.measurement is not None:
                 self.measurement.gradient_ready(name)
             if self.trace is not None:
                 self.trace.gradient_ready(self.module_of[name])
-        return hook
-
-    def _refuse_second_backward(self, _gradient) -> None:
-        """Before a gradient accumulates: a backward pass after a synchronised one, with neither
-        optimizer.step() nor optimizer.zero_grad() between, would add its gradients to the averaged
-        ones, some in buffers still being reduced."""
-        if self.gradients_held and not self.in_backward:
-            raise RuntimeError(
-                "a backward pass after a synchronised one and before optimizer.step(): run all but the "
-                "last backward of a step inside gradsync.no_sync(model), or sum the losses before one "
-                "backward (after a step skipped on purpose, as a GradScaler does, call "
-                "optimizer.zero_grad() first)")
+        return ready
 
     def _begin_backward(self) -> None:
         self.silent.update(m for m in self.forward_hooks if m not in self.ran_forward)
@@ -216,28 +230,36 @@ class GradSync:
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
         self.clock.forward_begins()
-        self._hook_forwards_where_needed()
+        self._hooks_where_needed()
         for module_name in [m for m in self.deferred.pending if m in self.silent]:
             self._apply_deferred(module_name)
         if self.measurement is not None:
             self.measurement.forward_start()
 
-    def _hook_forwards_where_needed(self) -> None:
-        """Pre-forward hooks (``_pre_forward_for``) on the owner modules that need one in this
-        forward pass: every one while a measurement times the layers or a trace records (their
-        forward times), else those whose gradients a plan in force defers to the next forward, and
-        those with an update still pending. Each hook costs every forward pass a Python call, so a
-        plan that defers nothing runs none (also while auto's trials time it). Only a module with
-        one is judged silent (``_begin_backward``)."""
+    def _hooks_where_needed(self) -> None:
+        """The hooks this forward pass and the next backward pass need; each costs every pass a
+        Python call, so only these run (also while auto's trials time a plan, as it will run):
+        - pre-forward hooks (``_pre_forward_for``) on the owner modules whose gradients a plan in
+          force defers to the next forward, and those with an update still pending (only a module
+          with one is judged silent: ``_begin_backward``);
+        - ready hooks (``_ready_hook_for``) on the parameters whose gradients may let an op of a
+          plan in force launch before the backward pass ends (``Plan.tensors_launching_early``;
+          every one where a plan of reduce-scatters releases each gradient as it is final).
+        While a measurement times the layers or a trace records, every module and parameter has
+        both (their forward times and gradient times)."""
         plans, measuring = self.installed.plans, self.measurement is not None and self.measurement.times_layers
-        made_for = self.forward_hooks_for
+        made_for = self.hooks_made_for
         if made_for is None or made_for[0] is not plans or made_for[1] != measuring:
-            self.forward_hooks_for = (plans, measuring)
+            self.hooks_made_for = (plans, measuring)
             if measuring or self.trace is not None:
-                self.forward_hooks_base = set(self.table.modules)
+                self.forward_hooks_base, ready_wanted = set(self.table.modules), set(self.table.parameters)
             else:
                 self.forward_hooks_base = {self.module_of[name] for plan in plans.values()
                                            for op in plan.ops if op.gates_forward for name in op.tensors()}
+                releasing = any(executor.releases_gradients for executor in self.installed.executors.values())
+                ready_wanted = set(self.table.parameters) if releasing else {
+                    name for plan in plans.values() for name in plan.tensors_launching_early()}
+            self._hook_gradients(ready_wanted)
         wanted = self.forward_hooks_base | self.deferred.pending.keys()
         if wanted == self.forward_hooks.keys():
             return
@@ -246,6 +268,14 @@ class GradSync:
         for module_name in wanted - self.forward_hooks.keys():
             self.forward_hooks[module_name] = self.table.modules[module_name].register_forward_pre_hook(
                 self._pre_forward_for(module_name))
+
+    def _hook_gradients(self, wanted: set[str]) -> None:
+        """Ready hooks on the parameters in `wanted`, none on the others."""
+        for name in self.gradient_hooks.keys() - wanted:
+            self.gradient_hooks.pop(name).remove()
+        for name in wanted - self.gradient_hooks.keys():
+            self.gradient_hooks[name] = self.table.parameters[name].register_post_accumulate_grad_hook(
+                self._ready_hook_for(name))
 
     def _pre_forward_for(self, module_name: str):
         def pre_forward(_module, _inputs):
@@ -372,9 +402,9 @@ class GradSync:
     def detach(self) -> None:
         """Remove every hook, apply pending updates and release the channels."""
         self.flush()
-        for handle in [*self.handles, *self.forward_hooks.values()]:
+        for handle in [*self.handles, *self.forward_hooks.values(), *self.gradient_hooks.values()]:
             handle.remove()
-        self.handles, self.forward_hooks = [], {}
+        self.handles, self.forward_hooks, self.gradient_hooks = [], {}, {}
         _ATTACHED.pop(self.model, None)
         try:
             if self.trace is not None:

@@ -72,6 +72,11 @@ class _OpState:
     direct: list[torch.Tensor | None] = field(default_factory=list)
     # where every slice is direct and small (FUSED_PACK_MEAN_BYTES): the buffer's data, scaled at once
     fused_data: torch.Tensor | None = None
+    parameters: list[torch.nn.Parameter] = field(default_factory=list)  # of `tensors`, in order
+    # an all-reduce's reduced flags where every rank used every tensor and every share was finite, and
+    # the summed used flags they give (the check after the collective is then one comparison)
+    reduced_flags_all_used: torch.Tensor | None = None
+    used_by_every_rank: dict[str, float] = field(default_factory=dict)
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -222,6 +227,11 @@ class PlanExecutor:
             state = _OpState(slices, tensors, op.phase, op.gates_forward, op.channel, buffer, views, label,
                              [buffer[position:]])
         state.all_used = torch.tensor([1.0] * len(tensors) + [0.0], dtype=buffer.dtype, device=buffer.device)
+        state.parameters = [self.parameters[name] for name in tensors]
+        if op.collective != REDUCE_SCATTER and self.codec.collective != "allgather":
+            world_size = self.channels.world_size
+            state.reduced_flags_all_used = state.all_used * world_size
+            state.used_by_every_rank = dict.fromkeys(tensors, float(world_size))
         state.direct = self._direct_spans(state)
         data = sum(view.numel() for view in state.views)
         small = data * buffer.element_size() <= FUSED_PACK_MEAN_BYTES * len(state.direct)
@@ -378,13 +388,14 @@ class PlanExecutor:
     def _pack(self, state: _OpState) -> None:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
         buffer = state.buffer
-        used = [self._used(name) for name in state.tensors]
-        every_one_used = all(used)
-        if state.fused_data is not None and every_one_used:
-            self._pack_fused(state)
+        grads = self._every_gradient(state) if state.fused_data is not None else None
+        if grads is not None:
+            self._pack_fused(state, grads)
+            flags = state.all_used
         else:
+            used = [self._used(name) for name in state.tensors]
             self._pack_slices(state, dict(zip(state.tensors, used)))
-        flags = state.all_used if every_one_used else torch.tensor(used + [False], dtype=buffer.dtype)
+            flags = state.all_used if all(used) else torch.tensor(used + [False], dtype=buffer.dtype)
         for span in state.flags:
             span.copy_(flags)
         if buffer.is_floating_point():  # the used flags are 0 or 1: the sum is not finite only for the data
@@ -396,11 +407,18 @@ class PlanExecutor:
             if self.packs_left[name] == 0 and name not in self.released:
                 self._release(name)
 
-    def _pack_fused(self, state: _OpState) -> None:
+    def _every_gradient(self, state: _OpState) -> list[torch.Tensor] | None:
+        """The gradients of the op's tensors, in slice order, where this rank used every one (`_used`,
+        for a plan of all-reduces); else None."""
+        if not self.ready.issuperset(state.tensors):
+            return None
+        grads = [parameter.grad for parameter in state.parameters]
+        return None if any(grad is None for grad in grads) else grads
+
+    def _pack_fused(self, state: _OpState, grads: list[torch.Tensor]) -> None:
         """Every slice a whole gradient, every one used: one copy of them all into their spans, then
         the op's data scaled to this rank's share of the mean in one pass. The gradients are held, as
         in `_pack_slices`, until the next iteration starts."""
-        grads = [self.parameters[name].grad for name in state.tensors]  # one slice a tensor, in slice order
         torch._foreach_copy_(state.direct, grads)
         state.fused_data.mul_(self.share)
         self.wires.update(zip(state.tensors, grads))
@@ -468,12 +486,16 @@ class PlanExecutor:
         flag_count = len(state.tensors) + 1
         if state.gathered is not None:
             data = torch.stack([b[:-flag_count] for b in state.gathered])
-            flags = sum(b[-flag_count:] for b in state.gathered).tolist()
+            flags = sum(b[-flag_count:] for b in state.gathered)
         else:
             reduced = state.buffer if state.received is None else state.received
-            data, flags = reduced[:-flag_count], reduced[-flag_count:].tolist()
-        used = dict(zip(state.tensors, flags))
-        if flags[-1]:  # a rank's share summed to inf or NaN; an overflowing sum of finite values names none,
+            data, flags = reduced[:-flag_count], reduced[-flag_count:]
+        if state.reduced_flags_all_used is not None and torch.equal(flags, state.reduced_flags_all_used):
+            used, nonfinite = state.used_by_every_rank, False  # the usual case, in one comparison
+        else:
+            flags = flags.tolist()
+            used, nonfinite = dict(zip(state.tensors, flags)), flags[-1]
+        if nonfinite:  # a rank's share summed to inf or NaN; an overflowing sum of finite values names none,
             # except in a reduce-scatter, where this rank holds its own segment alone: every rank takes the flag
             bad = state.tensors if state.received is not None else [
                 name for name, _, length, position in state.slices
