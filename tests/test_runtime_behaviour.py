@@ -81,6 +81,49 @@ def test_only_gradients_that_can_launch_an_op_early_have_a_ready_hook_and_the_re
         assert difference < 1e-6 and same_nones
 
 
+def steps_with_gradients_kept_in_buffers(rank, world_size, scheduler):
+    """Four steps, each after optimizer.zero_grad() (set to None), with a parameter no rank uses and
+    one that rank 0 alone uses in even steps: per step, the tensors zero_grad zeroed in place, the
+    largest difference from torch DDP's averaged gradients and whether the same gradients are None;
+    then the largest difference of the parameters."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     scheduler=scheduler, profile=synthetic_profile(model), cost=COST)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    steps = []
+    for step in range(4):
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+        zeroed = set(attached(model).zeroed_in_place)
+        tokens, targets = batch(rank, step)
+        for network in (model, reference):
+            F.cross_entropy(network(tokens, use_rank0_branch=rank == 0 and step % 2 == 0), targets).backward()
+        optimizer.synchronize()
+        pairs = list(zip(model.parameters(), reference.parameters()))
+        steps.append((zeroed, max((p.grad - q.grad).abs().max().item() for p, q in pairs if q.grad is not None),
+                      [p.grad is None for p, _ in pairs] == [q.grad is None for _, q in pairs]))
+        optimizer.step()
+        reference_optimizer.step()
+    return steps, max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("scheduler", ["ddp", "wfbp"])
+def test_gradients_kept_in_their_buffers_train_as_torch_ddp(scheduler):
+    """zero_grad zeroes the gradients that are spans of a fused op's buffer in place; one that no
+    rank then uses is None after the step's communication, as set_to_none leaves it."""
+    for steps, parameter_difference in run_local(steps_with_gradients_kept_in_buffers, 2, scheduler):
+        assert parameter_difference < 1e-6
+        for _, gradient_difference, same_nones in steps:
+            assert gradient_difference < 1e-6 and same_nones
+        zeroed = [zeroed for zeroed, _, _ in steps]
+        assert not zeroed[0]  # no gradient before the first step
+        if scheduler == "wfbp":  # an op a tensor: every used one's op holds it alone
+            assert "rank0_only.weight" in zeroed[1] and "rank0_only.weight" not in zeroed[2]
+            assert "mix.weight" in zeroed[1] and "mix.weight" in zeroed[3]
+
+
 def second_backward_before_the_step(rank, world_size, inside_no_sync):
     """A synchronised backward, then another (plain or inside no_sync) before the step: refused on
     every rank; the step then applies the first pass's averaged gradients, as after one backward."""

@@ -72,13 +72,20 @@ class DeferredUpdates:
         for module_name in list(self.pending):
             self.apply(module_name, executor)
 
-    def zero_grad(self, optimizer, set_to_none: bool) -> None:
-        """``optimizer.zero_grad``: a pending module's gradients are zeroed after its update."""
+    def zero_grad(self, optimizer, set_to_none: bool, keep: set[str]) -> None:
+        """``optimizer.zero_grad``: a pending module's gradients are zeroed after its update.
+
+        Args:
+            optimizer: the wrapped optimizer, for the parameters it holds outside the table.
+            set_to_none: set the gradients to None rather than zero them in place.
+            keep: gradients zeroed in place already (``PlanExecutor.zero_gradients_in_place``),
+                left as they are.
+        """
         for module_name, names in self.table.owners.items():
             if module_name in self.pending:
                 self.zero_after[module_name] = set_to_none
             else:
-                _zero_gradients(names, self.table.parameters, set_to_none)
+                _zero_gradients([name for name in names if name not in keep], self.table.parameters, set_to_none)
         # parameters the optimizer holds outside the table (frozen ones) follow the usual rule
         known = {id(p) for p in self.table.parameters.values()}
         for group in optimizer.param_groups:

@@ -73,6 +73,7 @@ class GradSync:
         self.in_backward = False
         self.backward_synced = False
         self.used_unsynced: set[str] = set()  # parameters whose gradients accumulated under no_sync since the last sync
+        self.zeroed_in_place: set[str] = set()  # gradients zero_grad zeroed in place instead of setting to None
         self.gradients_held = False  # a synchronised backward's gradients, neither stepped nor zeroed
         self.wait_at_backward_end = False  # for front-ends whose hooks read the gradients before the step
         self.loss_scale: LossScaleFollower | None = None  # a GradScaler's scale, followed by the error feedback
@@ -194,8 +195,9 @@ class GradSync:
             # forwards (every rank takes part, even if one evaluates alone next); sent before any op of
             # the plan, so that on a shared link its bytes go first and its wait is none of theirs
             self.buffers_arriving = self._start_buffers_broadcast()
-        self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced, ends_step=len(self.rounds_now) == 1)
-        self.used_unsynced = set()
+        self.executor.start_iteration(self.sync_steps, ready=self.used_unsynced, ends_step=len(self.rounds_now) == 1,
+                                      zeroed_in_place=self.zeroed_in_place)
+        self.used_unsynced, self.zeroed_in_place = set(), set()
         self.step_unsettled = True
         if self.trace is not None:
             self.trace.mark("backward start")
@@ -325,10 +327,17 @@ class GradSync:
         self.flush_deferred()
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        """``optimizer.zero_grad``. Gradients that are spans of an op's buffer (small ones, packed at
+        once: ``PlanExecutor.zero_gradients_in_place``) are zeroed in place even when asked to be set
+        to None, as Megatron-LM keeps its gradient buffers: the next backward pass accumulates into
+        the buffer, with nothing to copy in before the op nor to point the gradients at after it. One
+        that no rank then uses is set to None when its op is done, as set_to_none would leave it."""
         if self.gradients_held:  # a step skipped on purpose: its ops must not write after the zeroing
             self.clock.wait(self.executor, self.executor.wait_all)
             self.gradients_held = False
-        self.deferred.zero_grad(optimizer, set_to_none)
+        if set_to_none and self.executor is not None and not self.deferred.pending:
+            self.zeroed_in_place |= self.executor.zero_gradients_in_place()
+        self.deferred.zero_grad(optimizer, set_to_none, keep=self.zeroed_in_place)
 
     def _finish_iteration(self) -> None:
         now = time.perf_counter()

@@ -278,7 +278,8 @@ class PlanExecutor:
                         segments, received, own, [received[at:at + length] for _, _, length, at in own])
 
     # -- one iteration ---------------------------------------------------------------------------
-    def start_iteration(self, step: int, ready: set[str] | None = None, ends_step: bool = False) -> None:
+    def start_iteration(self, step: int, ready: set[str] | None = None, ends_step: bool = False,
+                        zeroed_in_place: set[str] | None = None) -> None:
         """Reset for a synchronised iteration.
 
         Args:
@@ -287,6 +288,8 @@ class PlanExecutor:
                 the step's earlier round).
             ends_step: this is the step's last round: once its ops are all in and decoded, the
                 codec settles the step (``Codec.settle``).
+            zeroed_in_place: tensors whose gradients a zero_grad asked to set to None zeroed in
+                place instead (``zero_gradients_in_place``): set to None if no rank uses them.
         """
         if self.times_ops:
             self._record_busy_time()
@@ -302,6 +305,7 @@ class PlanExecutor:
             state.work, state.done = None, False
         self.cursor = {channel: 0 for channel in self.order}
         self.ready: set[str] = set(ready or ())
+        self.zeroed_in_place = zeroed_in_place or set()
         self.wires: dict[str, torch.Tensor | None] = {}
         self.ops_left = dict(self.op_counts)  # per tensor, its ops not yet unpacked
         self.packs_left = dict(self.op_counts)  # per tensor, its ops not yet packed
@@ -416,10 +420,12 @@ class PlanExecutor:
         return None if any(grad is None for grad in grads) else grads
 
     def _pack_fused(self, state: _OpState, grads: list[torch.Tensor]) -> None:
-        """Every slice a whole gradient, every one used: one copy of them all into their spans, then
-        the op's data scaled to this rank's share of the mean in one pass. The gradients are held, as
-        in `_pack_slices`, until the next iteration starts."""
-        torch._foreach_copy_(state.direct, grads)
+        """Every slice a whole gradient, every one used: one copy of them all into their spans (none
+        where the backward pass accumulated them there: ``zero_gradients_in_place``), then the op's
+        data scaled to this rank's share of the mean in one pass. The gradients are held, as in
+        `_pack_slices`, until the next iteration starts."""
+        if not all(grad is span for grad, span in zip(grads, state.direct)):
+            torch._foreach_copy_(state.direct, grads)
         state.fused_data.mul_(self.share)
         self.wires.update(zip(state.tensors, grads))
 
@@ -512,12 +518,18 @@ class PlanExecutor:
 
     def _land(self, state: _OpState, data: torch.Tensor, used: dict[str, float]) -> None:
         """Each used tensor's reduced span where the codec takes it (or adopted as its gradient)."""
+        if used is state.used_by_every_rank and state.fused_data is not None and all(
+                parameter.grad is span for parameter, span in zip(state.parameters, state.direct)):
+            return  # every gradient is its span of the buffer already
         for (name, offset, length, position), view, direct in zip(state.slices, state.views, state.direct):
-            if not used[name]:
-                continue
             parameter = self.parameters[name]
+            if not used[name]:
+                if name in self.zeroed_in_place:  # as the zero_grad asked
+                    parameter.grad = None
+                continue
             if direct is not None and parameter.is_contiguous():  # (as made, unless its layout changed since)
-                parameter.grad = direct
+                if parameter.grad is not direct:
+                    parameter.grad = direct
                 continue
             target = self.codec.reduced_target(name, parameter, self.step)
             if state.gathered is not None:
@@ -549,6 +561,18 @@ class PlanExecutor:
         if self.nonfinite != "raise":
             return
         raise NonFiniteGradient(f"non-finite averaged gradient in parameter(s) {sorted(set(bad))}")
+
+    def zero_gradients_in_place(self) -> set[str]:
+        """Zero in place, with one pass over each op's data, the gradients that are all spans of a
+        fused op's buffer (as `_land` leaves them), of ops that are done: the next backward pass
+        accumulates into them, and packing them copies nothing. Returns the tensors zeroed."""
+        zeroed = set()
+        for state in self.ops:
+            if state.fused_data is not None and state.done and all(
+                    parameter.grad is span for parameter, span in zip(state.parameters, state.direct)):
+                state.fused_data.zero_()
+                zeroed.update(state.tensors)
+        return zeroed
 
     def wait_before_step(self) -> None:
         """Wait for the ops the optimizer step waits for (those that do not gate the forward)."""
