@@ -5,7 +5,7 @@ Lifecycle of one iteration:
    as does any other module holding one of them (tied weights); modules whose own forward did not
    run in a forward pass (e.g. nn.MultiheadAttention's out_proj, whose weight its parent reads
    directly) are updated when the model's forward starts (the hooks sit on the modules that may
-   need them: ``_hook_forwards_where_needed``);
+   need them: ``_hooks_where_needed``);
 2. backward: the first gradient to arrive (a hook on every parameter, before it accumulates)
    starts the iteration and the broadcast of the first rank's buffers (ahead of every op); each
    parameter whose gradient may let an op launch early (``Plan.tensors_launching_early``) has a
