@@ -6,8 +6,10 @@ time far above its device time). This benchmark times, per operation, what the h
 it and what the device spends to run it, so that the codecs' CUDA path can be chosen on numbers:
 
 - orthogonalising an n × r factor (r = 4): gradsync's ``orthogonalize`` (reduced QR, signs fixed,
-  column-major), ``torch.linalg.qr`` alone, gradsync's ``gram_schmidt`` (its fallback), and
-  Cholesky-QR applied twice (Gram matrix, ``cholesky_ex``, ``solve_triangular``; no QR);
+  column-major), the same on BATCH factors stacked (as ACP-SGD orthogonalises a step's queries of
+  one shape: the row is per call, for all of them), ``torch.linalg.qr`` alone, gradsync's
+  ``gram_schmidt`` (its fallback), and Cholesky-QR applied twice (Gram matrix, ``cholesky_ex``,
+  ``solve_triangular``; no QR);
 - the error-feedback update E ← M + E − P·Qᵀ: the fused Triton kernel and eager torch
   (``add`` then ``addmm_``).
 
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 RANK = 4
+BATCH = 4  # BERT-Base's attention projections: four 768 × 768 matrices a layer
 FACTOR_ROWS = (768, 3072, 30522)
 MATRICES = ((768, 768), (3072, 768), (30522, 768))
 CALLS, REPEATS, WARMUP = 20, 7, 5
@@ -84,9 +87,12 @@ def orthogonalisation_rows() -> list[tuple[str, str, dict]]:
     rows = []
     for n in FACTOR_ROWS:
         factor = torch.randn(n, RANK, device="cuda")
+        factors = list(torch.randn(BATCH, n, RANK, device="cuda"))
         for label, function in (("orthogonalize (QR)", orthogonalize), ("torch.linalg.qr", torch.linalg.qr),
                                 ("gram_schmidt", gram_schmidt), ("Cholesky-QR twice", cholesky_qr2)):
             rows.append((f"{n}×{RANK}", label, timed(lambda: function(factor))))
+        rows.append((f"{BATCH} × {n}×{RANK}", "orthogonalize (QR) of the stacked batch",
+                     timed(lambda: orthogonalize(torch.stack(factors)).unbind(0))))
     return rows
 
 

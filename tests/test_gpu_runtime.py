@@ -58,7 +58,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", ["acp_sgd", "powersgd"])
 def test_low_rank_codecs_on_cuda_follow_the_cpu(name, record_property):
-    shapes = {"wide": (64, 300), "tall": (500, 48)}
+    shapes = {"wide": (64, 300), "tall": (500, 48), "wide_too": (64, 300)}  # ACP-SGD stacks the two wide ones
     generator = torch.Generator().manual_seed(11)
     gradients = [{key: torch.randn(shape, generator=generator) for key, shape in shapes.items()} for _ in range(6)]
     specs = {key: TensorSpec(key, n * m, 4, (n, m)) for key, (n, m) in shapes.items()}

@@ -12,7 +12,8 @@ DEPENDENT = 1e-5  # relative norm left after projection below which a column cou
 
 
 def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """A column-major matrix with orthonormal columns spanning those of `matrix` (n × r, r ≤ n).
+    """A column-major matrix with orthonormal columns spanning those of `matrix` (n × r, r ≤ n),
+    or of each matrix of a batch (b × n × r) alike, the batch's QR in one call.
 
     Reduced QR in fp32/fp64 (in that dtype) for rank > 2 and on a GPU for every rank; Gram–Schmidt
     for rank ≤ 2 on the CPU, where r² column operations cost less than QR, and for fp16/bf16, where
@@ -22,13 +23,15 @@ def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     is rank-deficient (an all-zero gradient's factor): a zero query would make every later factor
     zero.
     """
-    rank = matrix.shape[1]
+    rank = matrix.shape[-1]
     if (rank > 2 or matrix.device.type != "cpu") and matrix.dtype in (torch.float32, torch.float64):
         q, r = torch.linalg.qr(matrix, mode="reduced")
         # QR's sign convention may flip columns; fix them so the result is the Gram–Schmidt one
         # (R's diagonal positive), with no masked write or host-side test: no device sync
-        diagonal = torch.diagonal(r)
-        return column_major(q).mul_(torch.ones_like(diagonal).copysign_(diagonal))
+        diagonal = torch.diagonal(r, dim1=-2, dim2=-1)
+        return column_major(q).mul_(torch.ones_like(diagonal).copysign_(diagonal).unsqueeze(-2))
+    if matrix.dim() == 3:
+        return torch.stack([gram_schmidt(one, eps) for one in matrix]).mT.contiguous().mT
     return gram_schmidt(matrix, eps)
 
 
@@ -61,5 +64,6 @@ def _project_out_earlier(columns: torch.Tensor, i: int) -> torch.Tensor:
 
 
 def column_major(matrix: torch.Tensor) -> torch.Tensor:
-    """`matrix` itself when its columns are contiguous, else a column-major copy."""
-    return matrix.T.contiguous().T
+    """`matrix` itself when its columns are contiguous, else a column-major copy (each matrix's, of
+    a batch)."""
+    return matrix.mT.contiguous().mT
