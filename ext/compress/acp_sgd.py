@@ -248,7 +248,8 @@ class ACPSGD(Codec):
             left, right = query, averaged.view(m, r)
         gradient = super().reduced_target(name, parameter, step).view(n, m)
         write_low_rank(gradient, left, right)  # the averaged P̄·Qᵀ or P·Q̄ᵀ, written in place
-        self.finished[name] = (left.clone(), right.clone())
+        # the averaged factor leaves the staging buffer the next step reuses; the query is this step's own
+        self.finished[name] = (left.clone(), right) if layout == P_STEP else (left, right.clone())
 
     def rescale_errors(self, factor: float) -> None:
         """E = sums − L·Rᵀ: the sums and the left factors are multiplied."""
