@@ -153,7 +153,7 @@ class ACPSGD(Codec):
                 factor = left = torch.addmm(stored @ query, matrix, query)
                 right = query
             else:
-                factor = right = torch.addmm(query.T @ stored, query.T, matrix).T.contiguous()
+                factor = right = torch.addmm(stored.T @ query, matrix.T, query)  # (m, r), rows contiguous
                 left = query
             subtract_low_rank(matrix, stored, left, right, out=total)
             factors = None  # `total` is the new E itself
