@@ -77,7 +77,6 @@ class _OpState:
     # the summed used flags they give (the check after the collective is then one comparison)
     reduced_flags_all_used: torch.Tensor | None = None
     used_by_every_rank: dict[str, float] = field(default_factory=dict)
-    resident: bool = False  # packed where the backward pass accumulated every gradient (`_pack_fused`)
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -394,7 +393,6 @@ class PlanExecutor:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
         buffer = state.buffer
         grads = self._every_gradient(state) if state.fused_data is not None else None
-        state.resident = False
         if grads is not None:
             self._pack_fused(state, grads)
             flags = state.all_used
@@ -426,8 +424,7 @@ class PlanExecutor:
         where the backward pass accumulated them there: ``zero_gradients_in_place``), then the op's
         data scaled to this rank's share of the mean in one pass. The gradients are held, as in
         `_pack_slices`, until the next iteration starts."""
-        state.resident = all(grad is span for grad, span in zip(grads, state.direct))
-        if not state.resident:
+        if not all(grad is span for grad, span in zip(grads, state.direct)):
             torch._foreach_copy_(state.direct, grads)
         state.fused_data.mul_(self.share)
         self.wires.update(zip(state.tensors, grads))
@@ -520,9 +517,9 @@ class PlanExecutor:
                 self.finishable.append(name)
 
     def _land(self, state: _OpState, data: torch.Tensor, used: dict[str, float]) -> None:
-        """Each used tensor's reduced span where the codec takes it (or adopted as its gradient);
-        nothing for an op packed where its gradients lie (``state.resident``): they are its spans."""
-        if used is state.used_by_every_rank and state.resident:
+        """Each used tensor's reduced span where the codec takes it (or adopted as its gradient)."""
+        if used is state.used_by_every_rank and state.fused_data is not None and all(
+                parameter.grad is span for parameter, span in zip(state.parameters, state.direct)):
             return  # every gradient is its span of the buffer already
         for (name, offset, length, position), view, direct in zip(state.slices, state.views, state.direct):
             parameter = self.parameters[name]
