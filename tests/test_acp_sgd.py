@@ -17,6 +17,7 @@ from gradsync.launch import run_local
 from gradsync.profile import TensorSpec
 from gradsync.runtime import attached
 from gradsync.runtime.parameter_table import ParameterTable
+from test_compress_baselines import powersgd_step, specs_of
 
 COST = CostModel(1e-4, 1e-9)
 
@@ -439,22 +440,6 @@ def test_a_batch_is_orthogonalised_as_each_of_its_matrices_alone(rank, dtype):
         assert torch.equal(basis, orthogonalize(factor)) and basis.T.is_contiguous()  # column-major, as alone
 
 
-def steps_of(codec, gradients, steps):
-    """`steps` steps of `codec` on one worker over `gradients` (name: one matrix per step): each
-    step's wires and gradients by name."""
-    parameters = {name: nn.Parameter(torch.zeros_like(series[0])) for name, series in gradients.items()}
-    seen = []
-    for step in range(steps):
-        wires = {name: codec.encode(name, series[step], step) for name, series in gradients.items()}
-        for name, parameter in parameters.items():
-            codec.reduced_target(name, parameter, step).copy_(wires[name])
-            codec.finish(name, parameter, step)
-        codec.settle(applied=True)
-        seen.append(({name: wire.clone() for name, wire in wires.items()},
-                     {name: parameter.grad.clone() for name, parameter in parameters.items()}))
-    return seen
-
-
 def test_a_steps_queries_are_orthogonalised_once_per_shape_as_one_at_a_time(monkeypatch):
     """Three 40 × 30 matrices and one 50 × 30: on P steps the queries Orth(Q_prev) are 30 × r for
     all four, on Q steps Orth(P_prev) 40 × r for three and 50 × r for one."""
@@ -462,28 +447,26 @@ def test_a_steps_queries_are_orthogonalised_once_per_shape_as_one_at_a_time(monk
 
     generator = torch.Generator().manual_seed(3)
     shapes = {"a": (40, 30), "b": (40, 30), "c": (40, 30), "d": (50, 30)}
-    gradients = {name: [torch.randn(shape, generator=generator) for _ in range(4)] for name, shape in shapes.items()}
-    specs = {name: TensorSpec(name, shape[0] * shape[1], 4, shape) for name, shape in shapes.items()}
+    steps = [{name: torch.randn(shape, generator=generator) for name, shape in shapes.items()} for _ in range(4)]
     calls = []
 
     def counted(matrix, *args):
         calls.append(tuple(matrix.shape))
         return orthogonalize(matrix, *args)
 
+    def decoded(codec):
+        codec.setup(specs_of(steps[0]), 1, seed=4)
+        return [powersgd_step(codec, gradients, step) for step, gradients in enumerate(steps)]
+
     monkeypatch.setattr(acp_sgd, "orthogonalize", counted)
-    batched = ACPSGD(rank=3)
-    batched.setup(specs, 1, seed=4)
-    together = steps_of(batched, gradients, 4)
+    together = decoded(ACPSGD(rank=3))
     per_step = len(calls) / 4
     monkeypatch.setattr(ACPSGD, "_orthogonalise_alike", lambda *_: {})
-    alone = ACPSGD(rank=3)
-    alone.setup(specs, 1, seed=4)
-    one_at_a_time = steps_of(alone, gradients, 4)
+    one_at_a_time = decoded(ACPSGD(rank=3))
     assert calls[:3] == [(4, 30, 3), (3, 40, 3), (50, 3)]  # P step: one batch; Q step: a batch and one alone
     assert per_step == 1.5 and len(calls) - 6 == 16  # then each of 4 steps asks 4 times, one matrix at a time
-    for (wires, grads), (wires_alone, grads_alone) in zip(together, one_at_a_time):
+    for grads, grads_alone in zip(together, one_at_a_time):
         # to rounding: a product reads a query inside the batch's storage at another alignment
-        assert all(torch.allclose(wires[name], wires_alone[name], rtol=0, atol=1e-5) for name in shapes)
         assert all(torch.allclose(grads[name], grads_alone[name], rtol=0, atol=1e-5) for name in shapes)
 
 

@@ -195,15 +195,17 @@ class ACPSGD(Codec):
         those of every tensor whose previous factor lies on `like`'s device in its dtype, with one
         QR per factor shape (a GPU's host time is mostly per call: 0.19 ms per QR on an H200)."""
         previous = self.q_prev[name] if layout == P_STEP else self.p_prev[name]
-        if not self.reuse:
+        if self.reuse:
+            alike = (layout, like.device, like.dtype)
+            if alike not in self.batched:
+                self.batched[alike] = self._orthogonalise_alike(layout, like)
+            query = self.batched[alike].pop(name, None)
+            if query is not None:
+                return query
+        else:
             generator = torch.Generator().manual_seed((self.seed + 7919 * step + zlib.crc32(name.encode())) % SEED_LIMIT)
             previous = torch.randn(previous.shape, generator=generator)
-            return orthogonalize(previous.to(device=like.device, dtype=like.dtype))
-        alike = (layout, like.device, like.dtype)
-        if alike not in self.batched:
-            self.batched[alike] = self._orthogonalise_alike(layout, like)
-        query = self.batched[alike].pop(name, None)
-        return query if query is not None else orthogonalize(previous.to(device=like.device, dtype=like.dtype))
+        return orthogonalize(previous.to(device=like.device, dtype=like.dtype))
 
     def _orthogonalise_alike(self, layout: str, like: torch.Tensor) -> dict[str, torch.Tensor]:
         """Orth of the previous factors (Q_prev on P steps, P_prev on Q steps) that lie on `like`'s

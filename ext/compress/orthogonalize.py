@@ -31,7 +31,7 @@ def orthogonalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
         diagonal = torch.diagonal(r, dim1=-2, dim2=-1)
         return column_major(q).mul_(torch.ones_like(diagonal).copysign_(diagonal).unsqueeze(-2))
     if matrix.dim() == 3:
-        return torch.stack([gram_schmidt(one, eps) for one in matrix]).mT.contiguous().mT
+        return column_major(torch.stack([gram_schmidt(one, eps) for one in matrix]))
     return gram_schmidt(matrix, eps)
 
 

@@ -424,7 +424,7 @@ class PlanExecutor:
         where the backward pass accumulated them there: ``zero_gradients_in_place``), then the op's
         data scaled to this rank's share of the mean in one pass. The gradients are held, as in
         `_pack_slices`, until the next iteration starts."""
-        if not all(grad is span for grad, span in zip(grads, state.direct)):
+        if not _in_their_spans(state):
             torch._foreach_copy_(state.direct, grads)
         state.fused_data.mul_(self.share)
         self.wires.update(zip(state.tensors, grads))
@@ -518,8 +518,7 @@ class PlanExecutor:
 
     def _land(self, state: _OpState, data: torch.Tensor, used: dict[str, float]) -> None:
         """Each used tensor's reduced span where the codec takes it (or adopted as its gradient)."""
-        if used is state.used_by_every_rank and state.fused_data is not None and all(
-                parameter.grad is span for parameter, span in zip(state.parameters, state.direct)):
+        if used is state.used_by_every_rank and state.fused_data is not None and _in_their_spans(state):
             return  # every gradient is its span of the buffer already
         for (name, offset, length, position), view, direct in zip(state.slices, state.views, state.direct):
             parameter = self.parameters[name]
@@ -568,8 +567,7 @@ class PlanExecutor:
         accumulates into them, and packing them copies nothing. Returns the tensors zeroed."""
         zeroed = set()
         for state in self.ops:
-            if state.fused_data is not None and state.done and all(
-                    parameter.grad is span for parameter, span in zip(state.parameters, state.direct)):
+            if state.fused_data is not None and state.done and _in_their_spans(state):
                 state.fused_data.zero_()
                 zeroed.update(state.tensors)
         return zeroed
@@ -609,6 +607,11 @@ class PlanExecutor:
 
     def wire_bytes(self) -> int:
         return sum(state.buffer.numel() * state.buffer.element_size() for state in self.ops)
+
+
+def _in_their_spans(state: _OpState) -> bool:
+    """Whether every gradient of a fused op is its span of the op's buffer (``zero_gradients_in_place``)."""
+    return all(parameter.grad is span for parameter, span in zip(state.parameters, state.direct))
 
 
 def _carries_gradients_as_they_are(codec: Codec) -> bool:
