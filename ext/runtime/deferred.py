@@ -23,6 +23,7 @@ class DeferredUpdates:
         self.layer_subsets: dict[str, ParameterSubset] = {}  # owner module -> its parameters
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
+        self.in_table = {id(parameter) for parameter in table.parameters.values()}
 
     def bind(self, optimizer) -> None:
         """Update with `optimizer` (its parameters checked against the table)."""
@@ -87,10 +88,9 @@ class DeferredUpdates:
             else:
                 _zero_gradients([name for name in names if name not in keep], self.table.parameters, set_to_none)
         # parameters the optimizer holds outside the table (frozen ones) follow the usual rule
-        known = {id(p) for p in self.table.parameters.values()}
         for group in optimizer.param_groups:
             for parameter in group["params"]:
-                if id(parameter) not in known and parameter.grad is not None:
+                if id(parameter) not in self.in_table and parameter.grad is not None:
                     _zero_gradient(parameter, set_to_none)
 
     def _subset(self, modules: list[str]) -> ParameterSubset:
