@@ -112,3 +112,39 @@ def test_predictions_follow_the_slowest_ranks_measured_speed_and_the_plan_stays(
     assert 2 < late1[1] / early1[1] < 4.5
     # plans do not change with the predictions
     assert {phase[5] for phase in (early0, late0, early1, late1)} == {early0[5]}
+
+
+def predictions_at_scales(rank, world_size, scales):
+    """The prediction at each of `scales` (set as the compute speed's scale in turn), and how many
+    simulations the predictions took in all."""
+    from gradsync.runtime import installed as installed_module
+    model = PacedNet()
+    wrapped, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="wfbp",
+                                       profile=paced_profile(model), cost=COST)
+    sync = attached(wrapped)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    optimizer.zero_grad()
+    F.cross_entropy(wrapped(x), y).backward()
+    optimizer.step()
+    simulated = []
+    simulate = installed_module.step_prediction
+    installed_module.step_prediction = lambda *args: simulated.append(args) or simulate(*args)
+    try:
+        predictions = []
+        for scale in scales:
+            sync.installed.speed.scale = scale
+            predictions.append(sync.installed.prediction(sync.rounds_now).time)
+    finally:
+        installed_module.step_prediction = simulate
+        sync.detach()
+    return predictions, len(simulated)
+
+
+def test_a_scale_that_returns_reuses_its_prediction():
+    # a busy host's scale moves to and fro between windows: each scale is simulated once, and a
+    # scale within a step (0.5%) of one simulated takes its prediction
+    scales = [2.0, 1.5, 2.0, 1.5, 2.0 * 1.002, 2.0 * 1.05]
+    (predictions, simulations), = run_local(predictions_at_scales, 1, scales)
+    assert simulations == 3
+    assert predictions[0] == predictions[2] == predictions[4] and predictions[1] == predictions[3]
+    assert predictions[0] > predictions[1] and predictions[5] > predictions[0]

@@ -12,13 +12,15 @@ profile would only be made if all ranks agreed on the scale at the same iteratio
 """
 from __future__ import annotations
 
+import math
 import statistics
 
 from ..errors import ConfigError
 from .over_ranks import PendingReduction, StartReduction, on_this_rank
 
 WINDOW = 8  # iterations per comparison: one small all-reduce each, read at the next iteration
-TOLERANCE = 0.03  # a smaller change of speed keeps the current scale (and the cached predictions)
+TOLERANCE = 0.03  # a smaller change of speed keeps the current scale
+SCALE_STEP = 0.005  # scales within a step of each other (relative) share their predictions (`bin`)
 
 
 class ComputeSpeed:
@@ -55,6 +57,13 @@ class ComputeSpeed:
             self.slowest.start([statistics.median(self.ratios)])
             self.ratios.clear()
         return False
+
+    def bin(self) -> int:
+        """The scale's step on a geometric grid of `SCALE_STEP`: the cache key of the predictions made
+        at it. A scale that moves to and fro between windows, as a busy host's does, returns to
+        predictions already simulated; one made at another scale of the same step differs from
+        what this scale would give by about a step, well within the `tolerance` that rescales."""
+        return round(math.log(self.scale) / math.log1p(SCALE_STEP))
 
     def rescale(self, ratio: float) -> bool:
         """Scale by `ratio` (the ranks' combined window ratio) unless it is within `tolerance` of 1;

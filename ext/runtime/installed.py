@@ -35,6 +35,7 @@ from .measure.trials import ChoiceWatch, PlanTrials, TrialResult
 from .report import LayoutReport
 
 log = logging.getLogger("gradsync")
+PREDICTIONS_KEPT = 64  # cached predictions (rounds and speed bins) before the cache starts again
 
 
 class InstalledPlans:
@@ -68,7 +69,7 @@ class InstalledPlans:
         self.executors: dict[str, PlanExecutor] = {}
         self.profile: ModelProfile | None = None
         self.cost: CostModel | None = None
-        self.predictions: dict[tuple[str, ...], StepPrediction] = {}
+        self.predictions: dict[tuple[tuple[str, ...], int], StepPrediction] = {}  # by rounds and speed bin
         self.speed = self._compute_speed()
         self.measurement: Measurement | None = None
         self.rank_profiles: tuple[ModelProfile, ...] = ()  # each rank's measured profile (`profile` combines them)
@@ -113,11 +114,15 @@ class InstalledPlans:
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
-        the measured speed of the computation (``runtime.compute_speed``); cached."""
-        if rounds not in self.predictions:
+        the measured speed of the computation (``runtime.compute_speed``); cached by the speed's
+        bin (``ComputeSpeed.bin``), at most `PREDICTIONS_KEPT` of them."""
+        key = (rounds, self.speed.bin())
+        if key not in self.predictions:
+            if len(self.predictions) >= PREDICTIONS_KEPT:
+                self.predictions.clear()
             scaled = at_compute_scale(self.layout_plans, self.speed.scale)
-            self.predictions[rounds] = step_prediction(scaled, rounds, self.cost)
-        return self.predictions[rounds]
+            self.predictions[key] = step_prediction(scaled, rounds, self.cost)
+        return self.predictions[key]
 
     def layout_reports(self) -> dict[str, LayoutReport]:
         return {layout: LayoutReport(layout, entry.plan, entry.wire, self.cost)
@@ -142,8 +147,7 @@ class InstalledPlans:
         if self.measurement is not None:
             self._carry_out(self.measurement.iteration_done(done))
             return
-        if self.speed.observe(done.stats.busy_time, predicted_busy):
-            self.predictions = {}
+        self.speed.observe(done.stats.busy_time, predicted_busy)
         if self.cost_watch is not None:
             refitted = self.cost_watch.observe(busy, done.stats.iteration_time)
             if refitted is not None:
