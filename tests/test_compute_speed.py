@@ -142,8 +142,8 @@ def predictions_at_scales(rank, world_size, scales):
 
 def test_a_scale_that_returns_reuses_its_prediction():
     # a busy host's scale moves to and fro between windows: each scale is simulated once, and a
-    # scale within a step (0.5%) of one simulated takes its prediction
-    scales = [2.0, 1.5, 2.0, 1.5, 2.0 * 1.002, 2.0 * 1.05]
+    # scale within its step (2%) of one simulated takes its prediction
+    scales = [2.0, 1.5, 2.0, 1.5, 2.0 * 1.005, 2.0 * 1.05]
     (predictions, simulations), = run_local(predictions_at_scales, 1, scales)
     assert simulations == 3
     assert predictions[0] == predictions[2] == predictions[4] and predictions[1] == predictions[3]
