@@ -82,11 +82,12 @@ class DeferredUpdates:
             keep: gradients zeroed in place already (``PlanExecutor.zero_gradients_in_place``),
                 left as they are.
         """
-        for module_name, names in self.table.owners.items():
-            if module_name in self.pending:
-                self.zero_after[module_name] = set_to_none
-            else:
-                _zero_gradients([name for name in names if name not in keep], self.table.parameters, set_to_none)
+        if self.pending or len(keep) < len(self.table.parameters):  # else every one is zeroed in place
+            for module_name, names in self.table.owners.items():
+                if module_name in self.pending:
+                    self.zero_after[module_name] = set_to_none
+                else:
+                    _zero_gradients([name for name in names if name not in keep], self.table.parameters, set_to_none)
         # parameters the optimizer holds outside the table (frozen ones) follow the usual rule
         for group in optimizer.param_groups:
             for parameter in group["params"]:

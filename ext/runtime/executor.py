@@ -18,6 +18,7 @@ planner made the plan: phase, channel and order are all it needs.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class PlanExecutor:
         self.share = torch.tensor(1.0 / channels.world_size, dtype=torch.float64)
         self.ops = [self._op_state(op, index, buffer)
                     for index, (op, buffer) in enumerate(zip(plan.ops, self._buffers(plan, shared_buffers)))]
+        self.buffer_bytes = sum(state.buffer.numel() * state.buffer.element_size() for state in self.ops)
         self.decode_seconds = 0.0  # time spent in the codec's finish, in all (inside the waits)
         self.encode_seconds = 0.0  # time spent in the codec's encode in the current step
         self.ops_of_tensor: dict[str, list[int]] = {}
@@ -307,8 +309,9 @@ class PlanExecutor:
         self.ready: set[str] = set(ready or ())
         self.zeroed_in_place = zeroed_in_place or set()
         self.wires: dict[str, torch.Tensor | None] = {}
-        self.ops_left = dict(self.op_counts)  # per tensor, its ops not yet unpacked
-        self.packs_left = dict(self.op_counts)  # per tensor, its ops not yet packed
+        # per tensor, its ops not yet unpacked (where the codec decodes) and not yet packed (where packing releases)
+        self.ops_left = {} if self.as_they_are else dict(self.op_counts)
+        self.packs_left = dict(self.op_counts) if self.releases_gradients else {}
         self.released: set[str] = set()  # gradients in the buffers and released (plans of reduce-scatters)
         self.backward_over = False
         self.skip_step = False
@@ -424,7 +427,7 @@ class PlanExecutor:
         where the backward pass accumulated them there: ``zero_gradients_in_place``), then the op's
         data scaled to this rank's share of the mean in one pass. The gradients are held, as in
         `_pack_slices`, until the next iteration starts."""
-        if not _in_their_spans(state):
+        if not all(map(operator.is_, grads, state.direct)):
             torch._foreach_copy_(state.direct, grads)
         state.fused_data.mul_(self.share)
         self.wires.update(zip(state.tensors, grads))
@@ -606,7 +609,7 @@ class PlanExecutor:
         return sorted({i for n in names for i in self.ops_of_tensor[n] if not self.ops[i].done})
 
     def wire_bytes(self) -> int:
-        return sum(state.buffer.numel() * state.buffer.element_size() for state in self.ops)
+        return self.buffer_bytes
 
 
 def _in_their_spans(state: _OpState) -> bool:
