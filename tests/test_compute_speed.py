@@ -20,14 +20,29 @@ def test_the_scale_moves_by_the_windows_median_ratio_beyond_the_tolerance():
     # the window's median ratio is reduced at the iteration that closes it and read at the next one
     assert [speed.observe(measured, 1.0) for measured in (2.0, 9.0, 1.8)] == [False, False, False]
     assert speed.ratios == [] and speed.scale == 1.0
-    assert speed.observe(7.0, 1.0) and speed.scale == 2.0  # the median: one disturbed iteration does not count
+    # the first window beyond the tolerance: the scale waits for a second one on the same side
+    assert [speed.observe(measured, 1.0) for measured in (7.0, 2.0, 1.9)] == [False, False, False]
+    assert speed.observe(1.0, 1.0) and speed.scale == 2.0  # the median: one disturbed iteration does not count
     assert speed.ratios == []  # that iteration was predicted at the old scale: left out
     # predictions made with the new scale: measured/predicted ratios near 1 keep it
-    assert not any(speed.observe(measured, 2.0) for measured in (2.08, 2.0, 2.1, 2.0)) and speed.scale == 2.0
-    assert speed.rescale(0.5) and speed.scale == 1.0
+    assert not any(speed.observe(measured, 2.0) for measured in (2.08, 2.0, 2.1, 2.0, 2.02, 1.98, 2.0))
+    assert speed.scale == 2.0
+    assert not speed.rescale(0.5) and speed.rescale(0.5) and speed.scale == 1.0
     # a prediction of nothing counts as on time
     speed.observe(0.3, 0.0)
     assert speed.ratios[-1] == 1.0
+
+
+def test_a_ratio_that_moves_to_and_fro_keeps_the_scale():
+    # a busy host's slowest rank: beyond the tolerance in every window, on alternate sides
+    speed = ComputeSpeed(window=1, tolerance=0.03)
+    assert not any(speed.rescale(ratio) for ratio in (1.07, 0.93, 1.06, 0.94, 1.05))
+    assert speed.scale == 1.0
+    # a window within the tolerance between two beyond it on the same side starts the count again
+    speed = ComputeSpeed(window=1, tolerance=0.03)
+    assert not any(speed.rescale(ratio) for ratio in (1.1, 1.01, 1.1)) and speed.scale == 1.0
+    assert speed.rescale(1.1) and speed.scale == pytest.approx(1.1)
+    assert ComputeSpeed(persist=1).rescale(1.1)  # persist=1: every window beyond it moves the scale
 
 
 def test_the_slowest_ranks_ratio_scales_every_rank():
@@ -36,17 +51,17 @@ def test_the_slowest_ranks_ratio_scales_every_rank():
     def slower_peer(values):  # another rank's window ran 3 times its prediction
         started.append(values)
         return lambda: [max(values[0], 3.0)]
-    speed = ComputeSpeed(window=2, tolerance=0.05, start=slower_peer)
+    speed = ComputeSpeed(window=2, tolerance=0.05, start=slower_peer, persist=1)
     assert not speed.observe(1.0, 1.0) and not speed.observe(1.2, 1.0) and started == [[1.1]]
     assert speed.observe(1.0, 1.0) and speed.scale == 3.0
 
 
-@pytest.mark.parametrize("window, tolerance, message", [(0, 0.1, "'window'"), (True, 0.1, "'window'"),
-                                                        (2.5, 0.1, "'window'"), (4, 1.0, "'tolerance'"),
-                                                        (4, -0.1, "'tolerance'")])
-def test_bad_settings_are_refused(window, tolerance, message):
+@pytest.mark.parametrize("window, tolerance, persist, message", [
+    (0, 0.1, 2, "'window'"), (True, 0.1, 2, "'window'"), (2.5, 0.1, 2, "'window'"), (4, 1.0, 2, "'tolerance'"),
+    (4, -0.1, 2, "'tolerance'"), (4, 0.1, 0, "'persist'"), (4, 0.1, True, "'persist'"), (4, 0.1, 1.5, "'persist'")])
+def test_bad_settings_are_refused(window, tolerance, persist, message):
     with pytest.raises(ConfigError, match=message):
-        ComputeSpeed(window, tolerance)
+        ComputeSpeed(window, tolerance, persist=persist)
 
 
 class PacedNet(nn.Module):
