@@ -73,13 +73,14 @@ class ComputeSpeed:
         at it. A busy host's scale moves to and fro between windows (on 2 loopback ranks of the
         emulated MobileNet-V2: 48 moves of 3% or more within 0.72-1.12 in 600 iterations), and
         each move to a step not seen before runs the simulator; a prediction made at another scale
-        of the same step is off by half a step on average, within the `tolerance` that rescales."""
+        of the same step is less than a step from this scale's, within the `tolerance` that
+        rescales."""
         return round(math.log(self.scale) / math.log1p(SCALE_STEP))
 
     def rescale(self, ratio: float) -> bool:
-        """Scale by `ratio` (the ranks' combined window ratio) when it and the `persist` - 1
-        windows' before it were all more than `tolerance` from 1 on the same side; True if the
-        scale changed."""
+        """Scale by `ratio` (the ranks' combined window ratio) when it and the ratios of the
+        `persist` - 1 windows before it were all more than `tolerance` from 1 on the same side;
+        True if the scale changed."""
         if not ratio > 0 or abs(ratio - 1.0) <= self.tolerance:
             self.drifting = 0
             return False
