@@ -427,7 +427,7 @@ class PlanExecutor:
         where the backward pass accumulated them there: ``zero_gradients_in_place``), then the op's
         data scaled to this rank's share of the mean in one pass. The gradients are held, as in
         `_pack_slices`, until the next iteration starts."""
-        if not all(map(operator.is_, grads, state.direct)):
+        if not _in_their_spans(state, grads):
             torch._foreach_copy_(state.direct, grads)
         state.fused_data.mul_(self.share)
         self.wires.update(zip(state.tensors, grads))
@@ -612,9 +612,12 @@ class PlanExecutor:
         return self.buffer_bytes
 
 
-def _in_their_spans(state: _OpState) -> bool:
-    """Whether every gradient of a fused op is its span of the op's buffer (``zero_gradients_in_place``)."""
-    return all(parameter.grad is span for parameter, span in zip(state.parameters, state.direct))
+def _in_their_spans(state: _OpState, grads=None) -> bool:
+    """Whether every gradient of a fused op (`grads`, in slice order, where the caller has read them
+    already) is its span of the op's buffer (``zero_gradients_in_place``)."""
+    if grads is None:
+        grads = (parameter.grad for parameter in state.parameters)
+    return all(map(operator.is_, grads, state.direct))
 
 
 def _carries_gradients_as_they_are(codec: Codec) -> bool:
