@@ -3,6 +3,7 @@ re-fitted when the network changes, and every rank switching to the new plans at
 import math
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -126,6 +127,9 @@ class SlowWork:
         self.future.wait()
         return True
 
+    def is_completed(self) -> bool:
+        return self.future.done()
+
     def get_future(self):
         return self.future
 
@@ -194,6 +198,60 @@ def test_replanning_can_be_turned_off():
         gradsync.runtime.check_wrap_arguments(replan="yes")
 
 
+def record_busy_times() -> list[float]:
+    """A list that every busy time the runtime takes from its executors is added to (in a spawned rank)."""
+    taken, take = [], PlanExecutor.take_busy_times
+
+    def recorded(executor):
+        times = take(executor)
+        taken.extend(times)
+        return times
+    PlanExecutor.take_busy_times = recorded
+    return taken
+
+
+LAG = 0.06  # s: a rank's pause, far above an op's transfer of 16 KiB on loopback
+
+
+def busy_times_waited_for_and_found_complete(rank: int, world_size: int) -> dict:
+    """Rank 0's busy times in two phases of 4 iterations: rank 1 launching `LAG` late (rank 0's
+    thread waits for the op), then rank 0 pausing `LAG` between its backward and its step (its op
+    completes meanwhile)."""
+    taken = record_busy_times()
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01), "ddp", plan_trials=0)
+    sync = gradsync.runtime.attached(model)
+    for executor in sync.installed.executors.values():
+        executor.time_ops()
+    phases = {}
+    for phase in ("waited for", "found complete"):
+        taken.clear()
+        for _ in range(5):  # the first iteration's busy time is taken at the second's end
+            loss = model(torch.randn(8, 64)).square().mean()
+            if phase == "waited for" and rank == 1:
+                time.sleep(LAG)
+            loss.backward()
+            if phase == "found complete" and rank == 0:
+                time.sleep(LAG)
+            optimizer.step()
+            optimizer.zero_grad()
+        phases[phase] = (list(taken), sync.executor.ops[0].completes_unwatched)
+    sync.detach()
+    return phases
+
+
+def test_an_op_is_timed_by_the_wait_for_it_or_by_a_callback_once_found_complete():
+    phases = run_local(busy_times_waited_for_and_found_complete, 2, timeout=120)[0]
+    waited, unwatched_then = phases["waited for"]
+    assert not unwatched_then  # the thread's wait saw every completion
+    assert len(waited) >= 3 and all(seconds > 0.6 * LAG for seconds in waited)  # rank 1's lag is in flight
+    found, unwatched_now = phases["found complete"]
+    assert unwatched_now
+    # the first completed during the pause unseen (recorded at the wait, late); a callback times the others
+    assert found[1] > LAG and all(seconds < LAG / 2 for seconds in found[2:]), found
+
+
 def test_the_benchmark_counts_the_iterations_until_the_time_stays_near_the_fresh_runs():
     from benchmarks.replanning import SMOOTHING, settled_after
     # a drop at 10: two slow re-planning iterations, then at the fresh run's 2.0 s (noise inside 5%)
@@ -210,13 +268,7 @@ def test_the_benchmark_counts_the_iterations_until_the_time_stays_near_the_fresh
 def time_communication_on_nccl(rank: int, world_size: int) -> list[float]:
     """gradsync on NCCL with its ops' timing on: the busy times the runtime took from its executors."""
     os.environ["TORCH_NCCL_ENABLE_TIMING"] = "1"  # read when wrap makes its process groups
-    taken, take = [], PlanExecutor.take_busy_times
-
-    def recorded(executor):
-        times = take(executor)
-        taken.extend(times)
-        return times
-    PlanExecutor.take_busy_times = recorded
+    taken = record_busy_times()
     torch.cuda.set_device(0)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).cuda()
