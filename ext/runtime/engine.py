@@ -6,8 +6,9 @@ Lifecycle of one iteration:
    run in a forward pass (e.g. nn.MultiheadAttention's out_proj, whose weight its parent reads
    directly) are updated when the model's forward starts (the hooks sit on the modules that may
    need them: ``_hooks_where_needed``);
-2. backward: the first gradient to arrive (a hook on every parameter, before it accumulates)
-   starts the iteration and the broadcast of the first rank's buffers (ahead of every op); each
+2. backward: the first gradient to arrive (a hook on every parameter, before it accumulates; or,
+   where no op launches before the pass ends, the first gradient of the forward's outputs:
+   ``output_start``) starts the iteration and the broadcast of the first rank's buffers (ahead of every op); each
    parameter whose gradient may let an op launch early (``Plan.tensors_launching_early``) has a
    post-accumulate-grad hook that marks it ready, the others are marked on arrival; ops launch in
    plan order per channel as their slices become ready; when the backward pass ends, the remaining
@@ -40,6 +41,7 @@ from .channels import Channels
 from .deferred import DeferredUpdates
 from .executor import PlanExecutor
 from .first_rank import FirstRankValues
+from .output_start import OutputStart
 from .installed import InstalledPlans
 from .parameter_table import ParameterTable
 from .measure import IterationDone, Measurement
@@ -87,8 +89,15 @@ class GradSync:
         self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
                         model.register_state_dict_pre_hook(lambda *_: self.flush_deferred()),
                         model.register_load_state_dict_pre_hook(lambda *_: self.flush_deferred())]
-        self.handles += [parameter.register_hook(self._arrival_hook_for(name))
-                         for name, parameter in table.parameters.items()]
+        self.handles.append(model.register_forward_hook(self._root_post_forward))
+        self.arrival_hooks: dict[str, object] = {}  # parameter -> its arrival hook (none while begun at the outputs)
+        self.output_start = OutputStart(table.parameters)
+        self.begins_at_outputs = False  # the next iteration begins at the outputs' first gradient
+        self.outputs_may_begin = False  # the plans in force let it (``_hooks_where_needed``)
+        self.output_pass = -1  # the autograd graph task whose outputs' first gradient came last
+        self.used_in_graph: set[str] | None = None  # the graph's answer at that gradient, while the hooks begin
+        self.announced = False  # the last synchronised pass reached the outputs first, and the graph named its parameters
+        self._hook_arrivals(True)
         for module, owners in table.borrowers.values():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
         self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
@@ -156,12 +165,7 @@ class GradSync:
         still being reduced: refused before its first gradient accumulates."""
         def arriving(_gradient):
             if not self.in_backward:
-                if self.gradients_held:
-                    raise RuntimeError(
-                        "a backward pass after a synchronised one and before optimizer.step(): run all but the "
-                        "last backward of a step inside gradsync.no_sync(model), or sum the losses before one "
-                        "backward (after a step skipped on purpose, as a GradScaler does, call "
-                        "optimizer.zero_grad() first)")
+                self._refuse_if_held()
                 if not self.enabled:  # counted as used by the next synchronised backward, as torch DDP does
                     self.used_unsynced.add(name)
                     return
@@ -169,6 +173,84 @@ class GradSync:
             if name not in self.gradient_hooks:
                 self.executor.ready.add(name)
         return arriving
+
+    def _refuse_if_held(self) -> None:
+        if self.gradients_held:
+            raise RuntimeError(
+                "a backward pass after a synchronised one and before optimizer.step(): run all but the "
+                "last backward of a step inside gradsync.no_sync(model), or sum the losses before one "
+                "backward (after a step skipped on purpose, as a GradScaler does, call "
+                "optimizer.zero_grad() first)")
+
+    def _hook_arrivals(self, on: bool) -> None:
+        """Arrival hooks (`_arrival_hook_for`) on every parameter, or none: the iteration then begins
+        at the outputs (``output_start``)."""
+        for handle in self.arrival_hooks.values():
+            handle.remove()
+        self.arrival_hooks = {name: parameter.register_hook(self._arrival_hook_for(name))
+                              for name, parameter in self.table.parameters.items()} if on else {}
+        self.begins_at_outputs = not on
+
+    def _root_post_forward(self, _module, _inputs, outputs) -> None:
+        """A hook on each output tensor of a forward that records a graph: its gradient comes
+        before that of any parameter the loss reaches through it."""
+        if torch.is_grad_enabled():
+            for tensor in _tensors_requiring_grad(outputs):
+                tensor.register_hook(self._output_gradient)
+
+    def _output_gradient(self, _gradient) -> None:
+        """The first gradient of an output in a backward pass: begins the iteration where the
+        arrival hooks are off (``output_start``); else, where the plans let the outputs begin, asks
+        the graph which parameters the pass uses, for `_end_backward` to compare with the hooks."""
+        task = torch._C._current_graph_task_id()
+        if task == self.output_pass or self.in_backward:  # another output, or begun by a parameter's gradient
+            return
+        self.output_pass = task
+        if self.begins_at_outputs:
+            self._begin_at_outputs()
+        elif self.outputs_may_begin and self.enabled and not self.used_unsynced:
+            self.used_in_graph = self.output_start.used_in_graph()
+
+    def _begin_at_outputs(self) -> None:
+        """Steps 1 and 2 of ``output_start``: refuse a pass after a synchronised one, count the
+        parameters of a no_sync pass, or begin; the hooks are back at once, for the rest of the pass,
+        where the graph leaves a parameter out or a gradient is not its span of an op buffer (which
+        step 3 could not watch)."""
+        used = self.output_start.used_in_graph()
+        if used is None:  # torch.autograd.grad: no gradient accumulates
+            return
+        self._refuse_if_held()
+        if not self.enabled:
+            self.used_unsynced |= used
+            if len(used) < len(self.table.parameters):
+                self._leave_outputs()
+            return
+        self._begin_backward()
+        ready = self.executor.ready
+        ready |= used
+        if len(ready) < len(self.table.parameters) or not self.executor.resident():
+            self._leave_outputs()
+        self.executor.buffer_watch = self._changed_in_flight if self.begins_at_outputs else None
+
+    def _leave_outputs(self) -> None:
+        """Back to the arrival hooks for good."""
+        self.output_start.refused = True
+        if self.begins_at_outputs:
+            self._hook_arrivals(True)
+
+    def _changed_in_flight(self) -> None:
+        """Step 3 of ``output_start``: a pass that bypassed the outputs accumulated into an op in
+        flight; the op is refused (the next zero_grad waits for the others before zeroing)."""
+        self.gradients_held = True
+        self._leave_outputs()
+
+    def _choose_start(self) -> None:
+        """At a step's end: begin the next iteration at the outputs where the plans in force let it
+        and the last synchronised pass announced it (``output_start``), else at the parameters."""
+        at_outputs = (self.outputs_may_begin and self.announced and not self.output_start.refused
+                      and self.hooks_made_for[0] is self.installed.plans)
+        if at_outputs != self.begins_at_outputs:
+            self._hook_arrivals(not at_outputs)
 
     def _ready_hook_for(self, name: str):
         """The hook of parameter `name` once its gradient has accumulated: it is final, and may let
@@ -184,6 +266,8 @@ class GradSync:
         return ready
 
     def _begin_backward(self) -> None:
+        self.announced = self.begins_at_outputs or (
+            self.used_in_graph is not None and self.output_pass == torch._C._current_graph_task_id())
         self.silent.update(m for m in self.forward_hooks if m not in self.ran_forward)
         self.flush_deferred()
         self.in_backward = True
@@ -191,6 +275,7 @@ class GradSync:
         if self.loss_scale is not None:
             self.loss_scale.follow(self.codec)
         self.executor = self.installed.executors[self.rounds_now[0]]
+        self.executor.buffer_watch = self._changed_in_flight if self.begins_at_outputs else None
         if self.buffers_from_first is not None:  # the next forward reads rank 0's buffers, as after DDP's synchronised
             # forwards (every rank takes part, even if one evaluates alone next); sent before any op of
             # the plan, so that on a shared link its bytes go first and its wait is none of theirs
@@ -211,6 +296,10 @@ class GradSync:
     def _end_backward(self) -> None:
         self.in_backward = False
         self.backward_synced = self.gradients_held = True
+        if not self.begins_at_outputs:  # the graph named every parameter, and their hooks then ran
+            self.announced = (self.announced and self.used_in_graph == self.executor.ready
+                              and len(self.used_in_graph) == len(self.table.parameters))
+            self.used_in_graph = None
         self.executor.end_backward()
         if self.buffers_arriving is not None:
             with self.clock.updating(), waiting_for("the broadcast of rank 0's buffers in the backward pass",
@@ -262,6 +351,16 @@ class GradSync:
                 ready_wanted = set(self.table.parameters) if releasing else {
                     name for plan in plans.values() for name in plan.tensors_launching_early()}
             self._hook_gradients(ready_wanted)
+            executors = self.installed.executors.values()
+            # (a forest's all-reduce sums into the buffer with torch's own ops, which move its version)
+            self.outputs_may_begin = (not measuring and self.trace is None and not ready_wanted
+                                      and not self.forward_hooks_base and not self.channels.forests
+                                      and len(executors) == 1
+                                      and all(state.fused_data is not None for e in executors for state in e.ops))
+            if self.outputs_may_begin:
+                self.output_start.prepare()
+            elif self.begins_at_outputs:
+                self._hook_arrivals(True)
         wanted = self.forward_hooks_base | self.deferred.pending.keys()
         if wanted == self.forward_hooks.keys():
             return
@@ -304,10 +403,15 @@ class GradSync:
     # -- optimizer ---------------------------------------------------------------------------------
     def step(self, optimizer) -> None:
         if not self.backward_synced:
+            bypassed = self.begins_at_outputs
+            if bypassed:
+                self._leave_outputs()
             raise RuntimeError(
                 "optimizer.step() without a synchronised backward pass: call backward() outside "
-                "gradsync.no_sync() before stepping, or the replicas would diverge"
-            )
+                "gradsync.no_sync() before stepping, or the replicas would diverge" + (
+                    " (gradsync began this model's iterations at the first gradient of its outputs: a loss that "
+                    "does not pass through them is synchronised from now on, once optimizer.zero_grad() and "
+                    "the step run again)" if bypassed else ""))
         self.backward_synced = self.gradients_held = False
         executor = self.executor
         nonfinite_skips = self.installed.nonfinite == "skip"
@@ -315,6 +419,7 @@ class GradSync:
         if not executor.skip_step:
             self.deferred.step(optimizer, executor)
         self._finish_iteration()
+        self._choose_start()
 
     def flush_deferred(self) -> None:
         """Apply every pending deferred update now, in layer order."""
@@ -411,6 +516,8 @@ class GradSync:
     def detach(self) -> None:
         """Remove every hook, apply pending updates and release the channels."""
         self.flush()
+        self._hook_arrivals(False)
+        self.begins_at_outputs = False
         for handle in [*self.handles, *self.forward_hooks.values(), *self.gradient_hooks.values()]:
             handle.remove()
         self.handles, self.forward_hooks, self.gradient_hooks = [], {}, {}
@@ -432,6 +539,20 @@ def _release_channels_at_exit() -> None:
         return
     for sync in list(_ATTACHED.values()):
         sync.channels.destroy()
+
+
+def _tensors_requiring_grad(outputs):
+    """The tensors in a forward's outputs (nested in tuples, lists and dicts, as torch DDP finds
+    them) that require a gradient."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs.requires_grad:
+            yield outputs
+    elif isinstance(outputs, (list, tuple)):
+        for item in outputs:
+            yield from _tensors_requiring_grad(item)
+    elif isinstance(outputs, dict):
+        for item in outputs.values():
+            yield from _tensors_requiring_grad(item)
 
 
 def attached(model) -> GradSync:

@@ -22,6 +22,7 @@ import operator
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,9 +79,14 @@ class _OpState:
     # the summed used flags they give (the check after the collective is then one comparison)
     reduced_flags_all_used: torch.Tensor | None = None
     used_by_every_rank: dict[str, float] = field(default_factory=dict)
+    launched_version: int | None = None  # its buffer's version counter at launch, where watched
     # found complete when first waited for, while its completion was timed: from then on its future's
     # callback times it (``PlanExecutor._note_completion``)
     completes_unwatched: bool = False
+
+
+class GradientsChangedInFlight(RuntimeError):
+    """A gradient accumulated into an op's buffer while the op was in flight."""
 
 
 class NonFiniteGradient(FloatingPointError):
@@ -134,6 +140,9 @@ class PlanExecutor:
                                 if decoded_may_overflow(state.buffer.dtype, self.parameters[name].dtype)}
         self.order = ops_by_channel(plan.ops)
         self.times_ops = False  # time the communication for the cost watch (`time_ops`)
+        # where set, an op whose buffer changed in flight (a backward pass no hook saw: ``output_start``)
+        # calls it, then raises GradientsChangedInFlight
+        self.buffer_watch: Callable[[], None] | None = None
         self.busy_times: list[float] = []  # per finished iteration, its communication's busy time, until taken
         self.done_at: list[float] = []  # when each op of the iteration under way completed (0: not yet)
         self.start_iteration(0)
@@ -386,6 +395,7 @@ class PlanExecutor:
         with _profiled(f"gradsync::encode {state.label}"):
             self._pack(state)
         state.launched_at = time.perf_counter()
+        state.launched_version = state.buffer._version if self.buffer_watch is not None else None
         with _profiled(f"gradsync::launch {state.label}"):
             if self.codec.collective == "allgather":
                 state.gathered = [torch.empty_like(state.buffer) for _ in range(self.channels.world_size)]
@@ -487,6 +497,15 @@ class PlanExecutor:
         """Op `index`'s collective has completed: unpack it and let the codec write the tensors
         whose ops are all done."""
         state = self.ops[index]
+        if state.launched_version is not None and state.buffer._version != state.launched_version:
+            state.launched_version = None  # refused once: the gradients are landed as they are after it
+            self.buffer_watch()
+            raise GradientsChangedInFlight(
+                "a backward pass after a synchronised one and before optimizer.step() accumulated into gradients "
+                "being averaged: it did not pass through the model's outputs (a loss on a submodule's output or "
+                "on the parameters alone), where gradsync began this model's iterations. It begins at each "
+                "parameter's gradient from now on, which refuses such a pass before it accumulates: call "
+                "optimizer.zero_grad() and run the step again")
         state.done = True
         self.ops_open -= 1
         if self.times_ops and not self.done_at[index]:  # its future's callback has not run, or there is none
@@ -583,6 +602,11 @@ class PlanExecutor:
                 state.fused_data.zero_()
                 zeroed.update(state.tensors)
         return zeroed
+
+    def resident(self) -> bool:
+        """Whether every op is fused and every gradient is its span of the op's buffer (as `_land`
+        and `zero_gradients_in_place` leave them): a backward pass accumulates into the buffers."""
+        return all(state.fused_data is not None and _in_their_spans(state) for state in self.ops)
 
     def wait_before_step(self) -> None:
         """Wait for the ops the optimizer step waits for (those that do not gate the forward)."""

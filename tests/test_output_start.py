@@ -1,0 +1,135 @@
+"""Iterations begun at the first gradient of the model's outputs (``runtime.output_start``): where
+they begin, that they train as gradients averaged by hand, and what brings the per-parameter hooks
+back (a parameter the autograd graph cannot see, a backward pass that bypasses the outputs)."""
+import copy
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradsync
+from gradsync.launch import run_local
+from gradsync.runtime import attached
+from gradsync.runtime.parameter_table import ParameterTable
+from runtime_models import COST, distance
+
+
+class Chain(nn.Module):
+    """Three small layers; the middle one optionally inside a reentrant checkpoint, whose
+    parameters the outer backward pass's graph does not hold. Returns a dict, as many models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, inputs, checkpointed: bool = False):
+        hidden = torch.tanh(self.first(inputs))
+        hidden = checkpoint(self.middle, hidden, use_reentrant=True) if checkpointed else self.middle(hidden)
+        return {"logits": self.last(torch.tanh(hidden)), "hidden": hidden}
+
+
+def chain_profile(model: Chain):
+    table = ParameterTable.of(model)
+    order = ["first", "middle", "last"]
+    return table.profile("chain", order, dict.fromkeys(order, 1e-3), dict.fromkeys(order, 2e-3))
+
+
+def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Tensor]:
+    """The losses a step of `kind` runs backward on, in order (a no_sync step: two passes)."""
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+
+    def through_outputs(checkpointed=False):
+        return F.cross_entropy(network(inputs, checkpointed)["logits"], targets)
+
+    bypassing = network.first.weight.square().sum  # the parameters alone: no output of the model's forward
+    return {"plain": lambda: [through_outputs()], "checkpointed": lambda: [through_outputs(True)],
+            "no_sync": lambda: [through_outputs(), through_outputs()],
+            "bypass_after": lambda: [through_outputs(), bypassing()], "bypass_alone": lambda: [bypassing()]}[kind]()
+
+
+def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str]):
+    """Per step: whether the iteration was to begin at the outputs, the error it raised (None), and
+    the largest difference from a copy whose gradients are averaged by hand (all-reduced, over
+    the default group) and that steps only where gradsync did."""
+    torch.manual_seed(0)
+    model = Chain()
+    reference = copy.deepcopy(model)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
+                                     profile=chain_profile(model), cost=COST)
+    sync = attached(model)
+    record = []
+    for step, kind in enumerate(kinds):
+        at_outputs, error = sync.begins_at_outputs, None
+        optimizer.zero_grad()
+        passes = losses(model, kind, rank, step)
+        try:
+            with gradsync.no_sync(model) if kind == "no_sync" else nullcontext():
+                passes[0].backward()
+            for loss in passes[1:]:
+                loss.backward()
+            optimizer.step()
+        except RuntimeError as refused:
+            error = str(refused)
+            optimizer.zero_grad()
+        else:
+            reference_optimizer.zero_grad()
+            for loss in losses(reference, kind, rank, step):
+                loss.backward()
+            for parameter in reference.parameters():
+                if parameter.grad is not None:
+                    dist.all_reduce(parameter.grad)
+                    parameter.grad /= world_size
+            reference_optimizer.step()
+        record.append((at_outputs, error, distance(model, reference)))
+    sync.detach()
+    return record
+
+
+def run_steps(kinds: list[str]):
+    first, second = run_local(steps_beside_averaged_by_hand, 2, kinds, timeout=120)
+    assert [(at, error is None) for at, error, _ in first] == [(at, error is None) for at, error, _ in second]
+    return first
+
+
+WARM = 6  # steps after which a plan of one op at the backward pass's end begins at the outputs
+
+
+def test_a_plan_launching_at_the_backward_end_begins_at_the_outputs_and_trains_as_averaged_by_hand():
+    record = run_steps(["plain"] * WARM + ["no_sync", "plain", "plain"])
+    assert not record[0][0] and all(at for at, _, _ in record[WARM - 1:])
+    assert all(error is None and difference < 1e-6 for _, error, difference in record)
+
+
+def test_a_parameter_the_graph_cannot_see_brings_the_hooks_back_within_the_pass():
+    """A reentrant checkpoint's inner pass reaches the middle layer: the graph at the outputs does
+    not name it, so its gradient would be left out were the hooks not back for the rest of the pass."""
+    record = run_steps(["plain"] * WARM + ["checkpointed", "checkpointed", "plain"])
+    assert record[WARM][0] and not any(at for at, _, _ in record[WARM + 1:])
+    assert all(error is None and difference < 1e-6 for _, error, difference in record)
+
+
+def test_a_model_whose_graph_never_names_every_parameter_keeps_the_hooks():
+    record = run_steps(["checkpointed"] * (WARM + 2))
+    assert not any(at for at, _, _ in record)
+    assert all(error is None and difference < 1e-6 for _, error, difference in record)
+
+
+@pytest.mark.parametrize("kind, refusal", [
+    ("bypass_after", "accumulated into gradients being averaged"),
+    ("bypass_alone", "without a synchronised backward pass")])
+def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal):
+    """After a synchronised pass, a second one on the parameters alone would add to gradients in
+    flight; alone, it would never be averaged: either is refused, before the optimizer steps, and
+    from then on the hooks begin every iteration (a pass on the parameters alone is then averaged)."""
+    record = run_steps(["plain"] * WARM + [kind, "bypass_alone", "plain"])
+    at_outputs, error, _ = record[WARM]
+    assert at_outputs and refusal in error
+    assert not any(at for at, _, _ in record[WARM + 1:])
+    assert all(error is None for _, error, _ in record[WARM + 1:])
+    assert all(difference < 1e-6 for _, _, difference in record)
