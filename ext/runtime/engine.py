@@ -192,9 +192,10 @@ class GradSync:
         self.begins_at_outputs = not on
 
     def _root_post_forward(self, _module, _inputs, outputs) -> None:
-        """A hook on each output tensor of a forward that records a graph: its gradient comes
-        before that of any parameter the loss reaches through it."""
-        if torch.is_grad_enabled():
+        """Where the plans in force let the outputs begin (``output_start``), a hook on each output
+        tensor of a forward that records a graph: its gradient comes before that of any parameter
+        the loss reaches through it."""
+        if self.outputs_may_begin and torch.is_grad_enabled():
             for tensor in _tensors_requiring_grad(outputs):
                 tensor.register_hook(self._output_gradient)
 
