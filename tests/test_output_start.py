@@ -49,13 +49,15 @@ def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Te
     bypassing = network.first.weight.square().sum  # the parameters alone: no output of the model's forward
     return {"plain": lambda: [through_outputs()], "checkpointed": lambda: [through_outputs(True)],
             "no_sync": lambda: [through_outputs(), through_outputs()],
-            "bypass_after": lambda: [through_outputs(), bypassing()], "bypass_alone": lambda: [bypassing()]}[kind]()
+            "bypass_after": lambda: [through_outputs(), bypassing()], "bypass_alone": lambda: [bypassing()],
+            "bypass_after_synchronize": lambda: [through_outputs(), bypassing()]}[kind]()
 
 
-def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str]):
+def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], read_before_step: bool = False):
     """Per step: whether the iteration was to begin at the outputs, the error it raised (None), and
     the largest difference from a copy whose gradients are averaged by hand (all-reduced, over
-    the default group) and that steps only where gradsync did."""
+    the default group) and that steps only where gradsync did; `read_before_step` as a front-end
+    whose hooks read the gradients before the step (``wait_at_backward_end``)."""
     torch.manual_seed(0)
     model = Chain()
     reference = copy.deepcopy(model)
@@ -63,6 +65,7 @@ def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str]):
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
                                      profile=chain_profile(model), cost=COST)
     sync = attached(model)
+    sync.wait_at_backward_end = read_before_step
     record = []
     for step, kind in enumerate(kinds):
         at_outputs, error = sync.begins_at_outputs, None
@@ -71,6 +74,8 @@ def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str]):
         try:
             with gradsync.no_sync(model) if kind == "no_sync" else nullcontext():
                 passes[0].backward()
+            if kind == "bypass_after_synchronize":  # the gradients read before the step, as to clip them
+                optimizer.synchronize()
             for loss in passes[1:]:
                 loss.backward()
             optimizer.step()
@@ -91,8 +96,8 @@ def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str]):
     return record
 
 
-def run_steps(kinds: list[str]):
-    first, second = run_local(steps_beside_averaged_by_hand, 2, kinds, timeout=120)
+def run_steps(kinds: list[str], read_before_step: bool = False):
+    first, second = run_local(steps_beside_averaged_by_hand, 2, kinds, read_before_step, timeout=120)
     assert [(at, error is None) for at, error, _ in first] == [(at, error is None) for at, error, _ in second]
     return first
 
@@ -114,19 +119,24 @@ def test_a_parameter_the_graph_cannot_see_brings_the_hooks_back_within_the_pass(
     assert all(error is None and difference < 1e-6 for _, error, difference in record)
 
 
-def test_a_model_whose_graph_never_names_every_parameter_keeps_the_hooks():
-    record = run_steps(["checkpointed"] * (WARM + 2))
+@pytest.mark.parametrize("kind, read_before_step", [("checkpointed", False), ("plain", True)])
+def test_the_hooks_stay_where_the_graph_never_names_every_parameter_or_a_front_end_reads_gradients(
+        kind, read_before_step):
+    record = run_steps([kind] * (WARM + 2), read_before_step)
     assert not any(at for at, _, _ in record)
     assert all(error is None and difference < 1e-6 for _, error, difference in record)
 
 
 @pytest.mark.parametrize("kind, refusal", [
     ("bypass_after", "accumulated into gradients being averaged"),
+    ("bypass_after_synchronize", "a backward pass after a synchronised one"),
     ("bypass_alone", "without a synchronised backward pass")])
 def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal):
     """After a synchronised pass, a second one on the parameters alone would add to gradients in
-    flight; alone, it would never be averaged: either is refused, before the optimizer steps, and
-    from then on the hooks begin every iteration (a pass on the parameters alone is then averaged)."""
+    flight, or, once they are read before the step (``synchronize``, which brings the hooks back),
+    to averaged ones; alone, it would never be averaged: each is refused, before the optimizer
+    steps, and from then on the hooks begin every iteration (a pass on the parameters alone is
+    then averaged)."""
     record = run_steps(["plain"] * WARM + [kind, "bypass_alone", "plain"])
     at_outputs, error, _ = record[WARM]
     assert at_outputs and refusal in error

@@ -246,10 +246,11 @@ class GradSync:
         self._leave_outputs()
 
     def _choose_start(self) -> None:
-        """At a step's end: begin the next iteration at the outputs where the plans in force let it
-        and the last synchronised pass announced it (``output_start``), else at the parameters."""
+        """At a step's end: begin the next iteration at the outputs where the plans in force let it,
+        the last synchronised pass announced it and no front-end reads the gradients before the step
+        (``wait_at_backward_end``: as after `flush`), else at the parameters (``output_start``)."""
         at_outputs = (self.outputs_may_begin and self.announced and not self.output_start.refused
-                      and self.hooks_made_for[0] is self.installed.plans)
+                      and not self.wait_at_backward_end and self.hooks_made_for[0] is self.installed.plans)
         if at_outputs != self.begins_at_outputs:
             self._hook_arrivals(not at_outputs)
 
@@ -427,9 +428,12 @@ class GradSync:
         self.deferred.apply_all(self.executor)
 
     def flush(self) -> None:
-        """Wait for every launched op and apply every deferred update."""
+        """Wait for every launched op and apply every deferred update. Gradients read before the
+        step (clipped, checked) end the iterations begun at the outputs: a later pass that bypassed
+        them would add to averaged gradients that no op watches any more (``output_start``)."""
         if self.executor is not None and self.backward_synced:
             self.executor.wait_all()
+            self._leave_outputs()
         self.flush_deferred()
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:

@@ -20,7 +20,10 @@ the backward pass ends and every gradient is a span of a fused op's buffer
    finding its buffer's counter moved since its launch refuses (``PlanExecutor.buffer_watch``),
    and so does a step after such a pass alone; either returns the runtime to the hooks for good.
 The outputs begin only after a synchronised pass in which the outputs' first gradient came before
-any parameter's and the graph named the parameters whose hooks then ran, every one of them.
+any parameter's and the graph named the parameters whose hooks then ran, every one of them; and
+not where the gradients are read before the step (``GradSync.flush``, a front-end's
+``wait_at_backward_end``): a pass that bypassed the outputs after that would add to averaged
+gradients that no op watches any more.
 """
 from __future__ import annotations
 
