@@ -42,6 +42,8 @@ def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Te
     """The losses a step of `kind` runs backward on, in order (a no_sync step: two passes)."""
     generator = torch.Generator().manual_seed(100 * rank + step)
     inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+    device = network.first.weight.device
+    inputs, targets = inputs.to(device), targets.to(device)
 
     def through_outputs(checkpointed=False):
         return F.cross_entropy(network(inputs, checkpointed)["logits"], targets)
@@ -53,13 +55,16 @@ def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Te
             "bypass_after_synchronize": lambda: [through_outputs(), bypassing()]}[kind]()
 
 
-def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], read_before_step: bool = False):
+def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], read_before_step: bool = False,
+                                  device: str = "cpu"):
     """Per step: whether the iteration was to begin at the outputs, the error it raised (None), and
     the largest difference from a copy whose gradients are averaged by hand (all-reduced, over
     the default group) and that steps only where gradsync did; `read_before_step` as a front-end
     whose hooks read the gradients before the step (``wait_at_backward_end``)."""
     torch.manual_seed(0)
-    model = Chain()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = Chain().to(device)
     reference = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
@@ -142,4 +147,16 @@ def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kin
     assert at_outputs and refusal in error
     assert not any(at for at, _, _ in record[WARM + 1:])
     assert all(error is None for _, error, _ in record[WARM + 1:])
+    assert all(difference < 1e-6 for _, _, difference in record)
+
+
+@pytest.mark.gpu
+def test_iterations_begin_at_the_outputs_on_cuda_over_nccl():
+    """On the GPU the output's hook runs on the device's autograd thread and NCCL writes the op
+    buffers without moving their version counters: the outputs begin, and a pass that bypasses
+    them after a synchronised one is still refused."""
+    record, = run_local(steps_beside_averaged_by_hand, 1, ["plain"] * WARM + ["bypass_after", "plain"], False,
+                        "cuda", backend="nccl", timeout=300)
+    assert record[WARM][0] and "accumulated into gradients being averaged" in record[WARM][1]
+    assert not record[WARM + 1][0]
     assert all(difference < 1e-6 for _, _, difference in record)
