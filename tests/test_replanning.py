@@ -214,9 +214,9 @@ LAG = 0.06  # s: a rank's pause, far above an op's transfer of 16 KiB on loopbac
 
 
 def busy_times_waited_for_and_found_complete(rank: int, world_size: int) -> dict:
-    """Rank 0's busy times in two phases of 4 iterations: rank 1 launching `LAG` late (rank 0's
-    thread waits for the op), then rank 0 pausing `LAG` between its backward and its step (its op
-    completes meanwhile)."""
+    """The rank's busy times, and whether its op is timed by a callback, in two phases of 5
+    iterations: rank 1 launching `LAG` late (rank 0's thread waits for the op), then rank 0 pausing
+    `LAG` between its backward and its step (its op completes meanwhile)."""
     taken = record_busy_times()
     torch.manual_seed(0)
     model = nn.Linear(64, 64)

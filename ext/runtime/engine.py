@@ -41,7 +41,7 @@ from .channels import Channels
 from .deferred import DeferredUpdates
 from .executor import PlanExecutor
 from .first_rank import FirstRankValues
-from .output_start import OutputStart
+from .output_start import GradientsChangedInFlight, OutputStart
 from .installed import InstalledPlans
 from .parameter_table import ParameterTable
 from .measure import IterationDone, Measurement
@@ -239,11 +239,17 @@ class GradSync:
         if self.begins_at_outputs:
             self._hook_arrivals(True)
 
-    def _changed_in_flight(self) -> None:
+    def _changed_in_flight(self, op: str) -> None:
         """Step 3 of ``output_start``: a pass that bypassed the outputs accumulated into an op in
         flight; the op is refused (the next zero_grad waits for the others before zeroing)."""
         self.gradients_held = True
         self._leave_outputs()
+        raise GradientsChangedInFlight(
+            f"a backward pass after a synchronised one and before optimizer.step() accumulated into gradients "
+            f"being averaged ({op} of the plan): it did not pass through the model's outputs (a loss on a "
+            "submodule's output or on the parameters alone), where gradsync began this model's iterations. It "
+            "begins at each parameter's gradient from now on, which refuses such a pass before it accumulates: "
+            "call optimizer.zero_grad() and run the step again")
 
     def _choose_start(self) -> None:
         """At a step's end: begin the next iteration at the outputs where the plans in force let it,

@@ -85,10 +85,6 @@ class _OpState:
     completes_unwatched: bool = False
 
 
-class GradientsChangedInFlight(RuntimeError):
-    """A gradient accumulated into an op's buffer while the op was in flight."""
-
-
 class NonFiniteGradient(FloatingPointError):
     """A reduced gradient holds inf or NaN; raised on every rank alike (the sum is the same)."""
 
@@ -140,9 +136,9 @@ class PlanExecutor:
                                 if decoded_may_overflow(state.buffer.dtype, self.parameters[name].dtype)}
         self.order = ops_by_channel(plan.ops)
         self.times_ops = False  # time the communication for the cost watch (`time_ops`)
-        # where set, an op whose buffer changed in flight (a backward pass no hook saw: ``output_start``)
-        # calls it, then raises GradientsChangedInFlight
-        self.buffer_watch: Callable[[], None] | None = None
+        # where set, called (and raising) with the op's label when an op's buffer changed in flight: a
+        # backward pass no hook saw (``output_start``)
+        self.buffer_watch: Callable[[str], None] | None = None
         self.busy_times: list[float] = []  # per finished iteration, its communication's busy time, until taken
         self.done_at: list[float] = []  # when each op of the iteration under way completed (0: not yet)
         self.start_iteration(0)
@@ -481,7 +477,7 @@ class PlanExecutor:
             return
         if state.work is None:
             raise RuntimeError(f"op {index} was never launched: the backward pass has not ended")
-        if self.times_ops and not self.done_at[index] and state.work.is_completed():
+        if self.times_ops and not self.timed_on_device and not self.done_at[index] and state.work.is_completed():
             state.completes_unwatched = True  # its completion, unseen here (recorded late by `collected`)
         with _profiled(f"gradsync::wait {state.label}"), waiting_for(
                 f"the gradients' communication ({state.label} of the plan)", self.channels.timeout):
@@ -499,13 +495,7 @@ class PlanExecutor:
         state = self.ops[index]
         if state.launched_version is not None and state.buffer._version != state.launched_version:
             state.launched_version = None  # refused once: the gradients are landed as they are after it
-            self.buffer_watch()
-            raise GradientsChangedInFlight(
-                "a backward pass after a synchronised one and before optimizer.step() accumulated into gradients "
-                "being averaged: it did not pass through the model's outputs (a loss on a submodule's output or "
-                "on the parameters alone), where gradsync began this model's iterations. It begins at each "
-                "parameter's gradient from now on, which refuses such a pass before it accumulates: call "
-                "optimizer.zero_grad() and run the step again")
+            self.buffer_watch(state.label)
         state.done = True
         self.ops_open -= 1
         if self.times_ops and not self.done_at[index]:  # its future's callback has not run, or there is none

@@ -17,8 +17,9 @@ the backward pass ends and every gradient is a span of a fused op's buffer
    out, and where one is missing the per-parameter hooks are back at once, for the rest of the pass;
 3. a later backward pass that bypasses the outputs (a loss on a submodule's output or on the
    parameters alone) accumulates into the op buffers, which moves their version counters: an op
-   finding its buffer's counter moved since its launch refuses (``PlanExecutor.buffer_watch``),
-   and so does a step after such a pass alone; either returns the runtime to the hooks for good.
+   finding its buffer's counter moved since its launch refuses (``PlanExecutor.buffer_watch``
+   raises `GradientsChangedInFlight`), and so does a step after such a pass alone; either returns
+   the runtime to the hooks for good.
 The outputs begin only after a synchronised pass in which the outputs' first gradient came before
 any parameter's and the graph named the parameters whose hooks then ran, every one of them; and
 not where the gradients are read before the step (``GradSync.flush``, a front-end's
@@ -30,6 +31,10 @@ from __future__ import annotations
 from itertools import compress
 
 import torch
+
+
+class GradientsChangedInFlight(RuntimeError):
+    """A gradient accumulated into an op's buffer while the op was in flight (step 3)."""
 
 
 class OutputStart:
