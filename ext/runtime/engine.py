@@ -96,7 +96,8 @@ class GradSync:
         self.outputs_may_begin = False  # the plans in force let it (``_hooks_where_needed``)
         self.output_pass = -1  # the autograd graph task whose outputs' first gradient came last
         self.used_in_graph: set[str] | None = None  # the graph's answer at that gradient, while the hooks begin
-        self.announced = False  # the last synchronised pass reached the outputs first, and the graph named its parameters
+        # the last synchronised pass reached the outputs first, and the graph named its parameters
+        self.announced = False
         self._hook_arrivals(True)
         for module, owners in table.borrowers.values():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
