@@ -232,7 +232,7 @@ class GradSync:
         ready |= used
         if len(ready) < len(self.table.parameters) or not self.executor.resident():
             self._leave_outputs()
-            self.executor.buffer_watch = None  # set by `_begin_backward` while the outputs began
+        self.executor.buffer_watch = self._changed_in_flight if self.begins_at_outputs else None
 
     def _leave_outputs(self) -> None:
         """Back to the arrival hooks for good."""
