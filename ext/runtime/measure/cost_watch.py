@@ -26,8 +26,7 @@ model re-fitted from those times when the network changes.
    the latency a stays as probed (the ops' sharing of the link hides its change). Every
    collective's b moves in that proportion (``CostModel.rescaled_b``).
 4. The runtime plans again on the re-fitted cost (a choosing planner times its new choice against
-   the plans that ran), every rank at the same iteration, the plans' hashes checked as at wrap time
-   (``runtime.installed``).
+   the plans that ran), every rank at the same iteration, the plans' hashes checked as at wrap time (``runtime.installed``).
    Every rank decides on the same numbers, so every rank decides alike.
 """
 from __future__ import annotations
@@ -155,10 +154,10 @@ class CostWatch:
         slower = now >= DRIFT * slowest and now - slowest >= SIGNIFICANT * iteration
         faster = now <= fastest / DRIFT and fastest - now >= SIGNIFICANT * iteration
         direction = 1 if slower else -1 if faster else 0
-        if direction == -1 and len(self.reference) < REFERENCE_WINDOWS:  # the windows before were warming up
+        if direction == -1 and len(self.reference) < REFERENCE_WINDOWS:
             self.reference, self.held, self.direction = [medians], [], 0
             return None
-        if direction == 0 or direction != self.direction:  # the held windows did not persist: noise
+        if direction == 0 or direction != self.direction:
             self.reference = (self.reference + self.held + ([] if direction else [medians]))[-REFERENCE_WINDOWS:]
             self.held, self.direction = [], direction
         if direction == 0:
