@@ -12,8 +12,7 @@ Per row, three jobs of 2 ranks on one emulated model (its computation waited, no
 Reported per row and change: the iterations from the change until the changing run's iteration time
 (a running median of `SMOOTHING`) stays within `WITHIN` of the fresh run's steady time (no more than
 that above it: faster counts as within); the
-re-plannings (``gradsync.report(model).replans``), in the changing run and in the fresh ones (a
-steady link: none is the target); and whether the ranks' parameters were identical
+re-plannings (``gradsync.report(model).replans``); and whether the ranks' parameters were identical
 at every iteration (a checksum per iteration, compared across ranks). Every job's iteration times
 go into the JSON beside the report.
 """
@@ -126,9 +125,6 @@ def row_lines(args, scheduler: str, series: dict) -> list[str]:
                      f"{'never' if after is None else f'{after} iterations'} (target ≤ {SETTLE_TARGET}): {verdict}; "
                      f"its last {args.steady} iterations {tail * 1e3:.1f} ms ({tail / steady[gbps]:.3f}×)")
     lines.append(f"- re-plannings: {'; '.join(changing[0]['replanned']) or 'none'}")
-    false_alarms = [f"at {gbps:g} Gbit/s {summary}" for gbps, ranks in fresh.items() for summary in ranks[0]["replanned"]]
-    lines.append(f"- re-plannings in the fresh runs (a steady link: each one a false alarm): "
-                 f"{'; '.join(false_alarms) or 'none'}")
     lines.append(f"- b probed by the fresh runs at wrap: {fresh[args.slow][0]['b'] * 1e9:.3g} ns/byte at {args.slow:g} "
                  f"Gbit/s, {fresh[args.fast][0]['b'] * 1e9:.3g} at {args.fast:g}")
     lines.append(f"- statistics: replans counted {changing[0]['replans'][-1]} at the end; plans chosen: changing run "

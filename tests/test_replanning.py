@@ -112,36 +112,7 @@ def test_a_rank_without_timings_still_takes_part_in_every_comparison():
     watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, reduced_by(combine))
     for _ in range(SETTLED + 2 * WINDOW):
         assert watch.observe([], 0.01) is None
-    assert calls == [[math.inf, 0.01]] * (REFERENCE_WINDOWS + 2)  # every window, the reference's included
-
-
-def test_the_reference_follows_a_warming_start_and_a_change_while_it_forms_is_found():
-    warming = [busy(contention=3 * CONTENTION)] * (1 + WINDOW)  # the first window three times as slow
-    steady = [busy()] * (REFERENCE_WINDOWS * WINDOW)
-    assert watch_over(warming + steady + [busy()] * (6 * WINDOW)) == []  # the steady windows are no faster link
-    iteration, cost = watch_over(warming + steady + [busy(extra_b=3 * B)] * (4 * WINDOW))[0]
-    assert iteration == len(warming + steady) + PERSIST * WINDOW  # a later change is found as after a steady start
-    assert cost.b == pytest.approx(4 * B, rel=1e-6)
-    # the link slows after the first window, before the reference is whole
-    iteration, cost = watch_over([busy()] * (1 + WINDOW) + [busy(extra_b=3 * B)] * (4 * WINDOW))[0]
-    assert iteration == 1 + WINDOW + PERSIST * WINDOW
-    assert cost.b == pytest.approx(4 * B, rel=1e-6)
-
-
-def test_windows_past_the_thresholds_that_do_not_persist_are_noise_a_change_must_stand_out_of():
-    start = [busy()] * SETTLED
-    three_times = [busy(contention=3 * CONTENTION)] * (3 * WINDOW)
-    assert watch_over(start + three_times)[0][0] == SETTLED + PERSIST * WINDOW
-    spike = [busy(contention=2.5 * CONTENTION)] * WINDOW + [busy()] * WINDOW  # held, then within: both join
-    assert watch_over(start + spike + three_times) == []  # within 1.5 times the spike
-    # windows alternating between one and two times the contention: a link 2.05 times slower is
-    # within their noise, one 4.2 times slower stands out of it
-    noisy = [busy()] + ([busy(contention=2 * CONTENTION)] * WINDOW + [busy()] * WINDOW) * 3
-    assert 2 < busy(extra_b=3 * B)[0][1] / busy()[0][1] < DRIFT * 2 < busy(extra_b=9 * B)[0][1] / busy()[0][1]
-    assert watch_over(noisy + [busy(extra_b=3 * B)] * (4 * WINDOW)) == []
-    iteration, cost = watch_over(noisy + [busy(extra_b=9 * B)] * (4 * WINDOW))[0]
-    assert iteration == len(noisy) + PERSIST * WINDOW
-    assert cost.b == pytest.approx(10 * B, rel=1e-6)  # from the reference windows' median: the faster ones
+    assert calls == [[math.inf, 0.01]] * 3  # every window, the reference's included
 
 
 class SlowWork:
@@ -164,7 +135,7 @@ class SlowWork:
 
 
 LINK = {"per_byte": 0.0}  # the emulated link's extra seconds per byte (0: the real one alone)
-STEPS, SLOW_FROM, FAST_FROM = 140, 40, 100
+STEPS, SLOW_FROM, FAST_FROM = 120, 30, 80
 
 
 def train_through_a_rate_change(rank: int, world_size: int, replan: bool, trace_path: str | None):

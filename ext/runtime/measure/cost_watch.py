@@ -10,19 +10,14 @@ model re-fitted from those times when the network changes.
    samples or none, and read at the next: ``runtime.over_ranks``), per wire layout (a codec's
    layouts send different bytes).
 2. A plan sends the same bytes every iteration, so it is compared with itself: after each
-   installation (and one iteration to settle), its first window begins the reference, and each
-   later window is judged against the reference windows: within the thresholds of step 3, it joins
-   them (the last `REFERENCE_WINDOWS` are kept); past them, it is held. Held windows that do not
-   persist were noise and join too, so that the reference windows' spread is the noise a change
-   must stand out of. Until the reference is whole, a faster window replaces it: the windows before
-   were the plans warming up. Beside the computation the ops take longer than the probes' isolated
-   a + b·m; comparing a plan with itself leaves that out. The drift is a window's summed layouts'
-   times over their reference times (each layout's median over the reference windows).
-3. The network changed when a window's summed time is past `DRIFT` times the slowest reference
-   window's (or below the fastest one's over `DRIFT`), by at least `SIGNIFICANT` of the iteration
-   time, in `PERSIST` windows running, the same way. A link whose rate changes adds (or takes)
-   wire time in proportion to the bytes, so the per-byte term moves by the summed change from the
-   reference times over the summed bytes (``per_byte_change``);
+   installation, the first `REFERENCE_WINDOWS` windows together (after one iteration to settle)
+   give each layout its reference time. Beside the computation the ops take longer than the
+   probes' isolated a + b·m; comparing a plan with itself leaves that out. In every later window,
+   the drift is the summed layouts' times over their summed references.
+3. The network changed when the drift is past `DRIFT` either way (slower or faster by that factor)
+   and the change is at least `SIGNIFICANT` of the iteration time, in `PERSIST` windows running,
+   the same way. A link whose rate changes adds (or takes) wire time in proportion to the bytes,
+   so the per-byte term moves by the summed change over the summed bytes (``per_byte_change``);
    the latency a stays as probed (the ops' sharing of the link hides its change). Every
    collective's b moves in that proportion (``CostModel.rescaled_b``).
 4. The runtime plans again on the re-fitted cost (a choosing planner times its new choice against
@@ -40,8 +35,8 @@ from ...cost import CostModel
 from ..over_ranks import PendingReduction, StartReduction
 
 WINDOW = 8  # iterations per comparison: one small all-reduce each, read at the next iteration
-REFERENCE_WINDOWS = 3  # the reference: the last windows judged unchanged, at most this many
-DRIFT = 1.5  # the communication this many times slower than its slowest reference window (or faster)...
+REFERENCE_WINDOWS = 2  # the reference is timed over this many windows' iterations (one all-reduce)
+DRIFT = 1.5  # the communication this many times slower (or faster) than its reference...
 SIGNIFICANT = 0.10  # ...by at least this fraction of the iteration time...
 PERSIST = 2  # ...in this many windows running: the cost is re-fitted
 FLOOR = 0.01  # a re-fitted b keeps at least this fraction of what it was
@@ -101,9 +96,8 @@ class CostWatch:
         self.settling = True  # the first iteration after an installation
         self.times: dict[Hashable, list[float]] = {}  # each layout's busy times in the window under way
         self.iteration_times: list[float] = []
-        self.reference: list[list[float]] = []  # per reference window, each layout's time (inf: untimed)
-        self.held: list[list[float]] = []  # the windows running past the thresholds, the same way...
-        self.direction = 0  # ...1: slower, -1: faster
+        self.reference: list[float] | None = None  # each layout's reference time (inf: never timed)
+        self.drifting = 0  # windows running past the thresholds: > 0 slower, < 0 faster
         self.drift = 1.0  # the last window's
 
     def observe(self, busy: list[tuple[Hashable, float]], iteration_time: float) -> CostModel | None:
@@ -122,7 +116,7 @@ class CostWatch:
         for layout, seconds in busy:
             self.times.setdefault(layout, []).append(seconds)
         self.iteration_times.append(iteration_time)
-        if len(self.iteration_times) >= WINDOW:
+        if len(self.iteration_times) >= WINDOW * (REFERENCE_WINDOWS if self.reference is None else 1):
             local = [statistics.median(self.times[layout]) if layout in self.times else math.inf
                      for layout, _ in self.layouts]
             self.least.start(local + [statistics.median(self.iteration_times)])
@@ -135,36 +129,24 @@ class CostWatch:
         if least is None:
             return None
         *medians, iteration = least
-        if not self.reference:
-            self.reference.append(medians)
+        if self.reference is None:
+            self.reference = medians
             return None
         return self._judge(medians, iteration)
 
     def _judge(self, medians: list[float], iteration: float) -> CostModel | None:
         """Steps 2 and 3 of the module docstring on a window's times."""
-        timed = [index for index, now in enumerate(medians)
-                 if math.isfinite(now) and all(math.isfinite(window[index]) for window in self.reference)]
-        windows = [sum(window[index] for index in timed) for window in self.reference]
-        if min(windows) <= 0 or iteration <= 0:
+        timed = [(size, before, now) for (_, size), before, now in zip(self.layouts, self.reference, medians)
+                 if math.isfinite(before) and math.isfinite(now)]
+        before, now = sum(before for _, before, _ in timed), sum(now for _, _, now in timed)
+        if before <= 0 or iteration <= 0:
             return None
-        reference = [statistics.median(window[index] for window in self.reference) for index in timed]
-        now = sum(medians[index] for index in timed)
-        self.drift = now / sum(reference)
-        slowest, fastest = max(windows), min(windows)
-        slower = now >= DRIFT * slowest and now - slowest >= SIGNIFICANT * iteration
-        faster = now <= fastest / DRIFT and fastest - now >= SIGNIFICANT * iteration
-        direction = 1 if slower else -1 if faster else 0
-        if direction == -1 and len(self.reference) < REFERENCE_WINDOWS:
-            self.reference, self.held, self.direction = [medians], [], 0
+        self.drift = now / before
+        significant = abs(now - before) >= SIGNIFICANT * iteration
+        direction = (1 if self.drift >= DRIFT else -1 if self.drift <= 1 / DRIFT else 0) if significant else 0
+        same_way = direction != 0 and self.drifting * direction >= 0
+        self.drifting = self.drifting + direction if same_way else direction
+        if abs(self.drifting) < PERSIST:
             return None
-        if direction == 0 or direction != self.direction:
-            self.reference = (self.reference + self.held + ([] if direction else [medians]))[-REFERENCE_WINDOWS:]
-            self.held, self.direction = [], direction
-        if direction == 0:
-            return None
-        self.held.append(medians)
-        if len(self.held) < PERSIST:
-            return None
-        change = per_byte_change([self.layouts[index][1] for index in timed],
-                                 [medians[index] - before for index, before in zip(timed, reference)])
+        change = per_byte_change([size for size, _, _ in timed], [now - before for _, before, now in timed])
         return self.cost.rescaled_b(max(self.b + change, FLOOR * self.b) / self.b)
