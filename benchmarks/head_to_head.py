@@ -4,9 +4,9 @@ Each setting (model × ranks × network) runs as one job on the netbed (one rank
 namespace, `tc`-shaped links): every rank holds one copy of the model per row, plus a copy trained
 without communication (the compute-only reference). Each gradsync row first runs alone until it
 has measured its profile and, for `auto`, timed its plans. Then rows run interleaved in blocks —
-A A B B … A A B B — after warm-up rounds (DDP's bucket rebuild, the compressors' uncompressed
-start); each block starts after a barrier with one untimed step, so that the timed steps run as in
-training: the first one's forward waits for that step's ops of a plan that overlaps the next
+each round in another order (`round_order`) — after warm-up rounds (DDP's bucket rebuild, the
+compressors' uncompressed start); each block starts after a barrier with one untimed step, so
+that the timed steps run as in training: the first one's forward waits for that step's ops of a plan that overlaps the next
 forward pass, as every later one does, and the last timed step's ops complete after the clock
 stops (in training the next forward waits for them), before the next block: no row borrows
 another's time. A block's time is its slowest rank's. torch DDP and gradsync
@@ -388,19 +388,40 @@ def median_cost(fits: list[dict]) -> dict:
     return {key: middle(key) for key in fits[0]}
 
 
-def round_order(labels: list[str], pair: tuple[str, str] = OVERHEAD_PAIR, repeats: int = OVERHEAD_PAIRS) -> list[str]:
+def balanced_order(count: int, round_index: int) -> list[int]:
+    """The order of `count` units in a round of a Williams design: over `count` rounds (twice as
+    many for an odd count) every unit runs right after every other one equally often (once; twice
+    for an odd count). Round k adds k to the first round's 0, 1, n−1, 2, n−2, …; an odd count's
+    second `count` rounds run those orders backwards."""
+    first, low, high = [0], 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    shift = round_index % (count if count % 2 == 0 else 2 * count)
+    order = [(unit + shift) % count for unit in first]
+    return order if shift < count else order[::-1]
+
+
+def round_order(labels: list[str], round_index: int = 0, pair: tuple[str, str] = OVERHEAD_PAIR,
+                repeats: int = OVERHEAD_PAIRS) -> list[str]:
     """One round's blocks in run order: each row once, except the overhead's pair, which runs
-    `repeats` times A B A B … where its first row stands (same-round ratios are the overhead's
-    samples, and six rounds give too few to tell 2% from the host's noise)."""
-    if not set(pair) <= set(labels):
-        return list(labels)
-    order = []
-    for label in labels:
-        if label == pair[0]:
-            order += list(pair) * repeats
-        elif label != pair[1]:
-            order.append(label)
-    return order
+    `repeats` times A B A B … as one unit (same-round ratios are the overhead's samples, and six
+    rounds give too few to tell 2% from the host's noise). The units' order changes each round
+    (``balanced_order``): a block runs a little slower after one of another plan than after one
+    of the same ops, and every row then follows every other alike.
+
+    Args:
+        labels: the rows (the first round's order starts with the first).
+        round_index: the round (0: the first warm-up round).
+        pair, repeats: the overhead's two rows and how many blocks each runs a round.
+    """
+    paired = set(pair) <= set(labels)
+    units = [list(pair) * repeats if paired and label == pair[0] else [label]
+             for label in labels if not (paired and label == pair[1])]
+    return [label for unit in balanced_order(len(units), round_index) for label in units[unit]]
 
 
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
@@ -426,7 +447,7 @@ def rank_main(rank: int, world_size: int, job: dict) -> dict:
     for round_index in range(job["warmup_rounds"] + job["rounds"]):
         if round_index == midway:
             fits.append(shared_cost(base))
-        for label in round_order(list(by_label)):
+        for label in round_order(list(by_label), round_index):
             by_label[label].block(inputs, labels, job["block"], timed=round_index >= job["warmup_rounds"])
     cpu_share = (time.process_time() - cpu_started) / (time.perf_counter() - wall_started)
     fits.append(shared_cost(base))

@@ -1,6 +1,7 @@
 """The head-to-head's summary: slowest-rank block times, medians, the paired overhead ratio, the
 measurement's repeatability, predictions with the median of the job's cost fits and the stolen CPU
 time."""
+import collections
 import dataclasses
 import json
 import math
@@ -11,7 +12,8 @@ import statistics
 import pytest
 
 from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
-                                     Setting, cost_line, default_rows, held_out_best, median_cost, median_interval,
+                                     Setting, balanced_order, cost_line, default_rows, held_out_best, median_cost,
+                                     median_interval,
                                      paired_ratio, replay_file, round_order, round_times, setting_table,
                                      steal_note, stolen_cpu_seconds, summarise, targets)
 from benchmarks.simulator_replay import replay_record, replayed_prediction
@@ -91,9 +93,29 @@ def test_gradsync_ddp_buckets_runs_right_after_torch_ddp():
 def test_a_round_alternates_the_overhead_pair_and_runs_every_other_row_once():
     labels = [COMPUTE_ONLY, DDP, "gradsync wfbp", BUCKETS, "gradsync acp_sgd"]
     assert round_order(labels, repeats=3) == [COMPUTE_ONLY, DDP, BUCKETS, DDP, BUCKETS, DDP, BUCKETS,
-                                              "gradsync wfbp", "gradsync acp_sgd"]
+                                              "gradsync acp_sgd", "gradsync wfbp"]
     assert round_order(labels).count(DDP) == OVERHEAD_PAIRS > 1
     assert round_order([COMPUTE_ONLY, DDP, "gradsync wfbp"]) == [COMPUTE_ONLY, DDP, "gradsync wfbp"]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7])
+def test_over_a_cycle_of_rounds_every_row_runs_right_after_every_other_equally_often(count):
+    cycle = count if count % 2 == 0 else 2 * count
+    orders = [balanced_order(count, k) for k in range(cycle)]
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    follows = collections.Counter((order[index - 1], order[index]) for order in orders for index in range(1, count))
+    assert set(follows) == {(a, b) for a in range(count) for b in range(count) if a != b}
+    assert set(follows.values()) <= {cycle // count}
+    assert balanced_order(count, cycle + 1) == orders[1 % cycle]
+
+
+def test_the_overhead_pair_moves_as_one_unit_between_rounds():
+    labels = [COMPUTE_ONLY, DDP, BUCKETS, "gradsync wfbp"]
+    orders = [round_order(labels, k, repeats=2) for k in range(3)]
+    for order in orders:
+        start = order.index(DDP)
+        assert order[start:start + 4] == [DDP, BUCKETS, DDP, BUCKETS] and len(order) == 6
+    assert len({tuple(order) for order in orders}) == 3
 
 
 def test_the_simulator_error_is_reported_beside_the_measurements_own_repeatability():
