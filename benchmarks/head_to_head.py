@@ -6,10 +6,10 @@ without communication (the compute-only reference). Each gradsync row first runs
 has measured its profile and, for `auto`, timed its plans. Then rows run interleaved in blocks —
 each round in another order (`round_order`) — after warm-up rounds (DDP's bucket rebuild, the
 compressors' uncompressed start); each block starts after a barrier with one untimed step, so
-that the timed steps run as in training: the first one's forward waits for that step's ops of a plan that overlaps the next
-forward pass, as every later one does, and the last timed step's ops complete after the clock
-stops (in training the next forward waits for them), before the next block: no row borrows
-another's time. A block's time is its slowest rank's. torch DDP and gradsync
+that the timed steps run as in training: the first one's forward waits for that step's ops of a
+plan that overlaps the next forward pass, as every later one does, and the last timed step's ops
+complete after the clock stops (in training the next forward waits for them), before the next
+block: no row borrows another's time. A block's time is its slowest rank's. torch DDP and gradsync
 ddp_buckets (the same buckets) run several blocks each per round, alternating: the runtime's
 overhead is the median of their back-to-back ratios. One all-reduce cost model is measured per job
 and given to every gradsync row; it is fitted twice more, midway through the timed rounds and after
@@ -393,13 +393,7 @@ def balanced_order(count: int, round_index: int) -> list[int]:
     many for an odd count) every unit runs right after every other one equally often (once; twice
     for an odd count). Round k adds k to the first round's 0, 1, n−1, 2, n−2, …; an odd count's
     second `count` rounds run those orders backwards."""
-    first, low, high = [0], 1, count - 1
-    while len(first) < count:
-        first.append(low)
-        low += 1
-        if len(first) < count:
-            first.append(high)
-            high -= 1
+    first = [0] + [(k + 1) // 2 if k % 2 else count - k // 2 for k in range(1, count)]
     shift = round_index % (count if count % 2 == 0 else 2 * count)
     order = [(unit + shift) % count for unit in first]
     return order if shift < count else order[::-1]
@@ -410,8 +404,8 @@ def round_order(labels: list[str], round_index: int = 0, pair: tuple[str, str] =
     """One round's blocks in run order: each row once, except the overhead's pair, which runs
     `repeats` times A B A B … as one unit (same-round ratios are the overhead's samples, and six
     rounds give too few to tell 2% from the host's noise). The units' order changes each round
-    (``balanced_order``): a block runs a little slower after one of another plan than after one
-    of the same ops, and every row then follows every other alike.
+    (``balanced_order``), so that no row always follows the same one: whatever state a block
+    leaves the host and the links in weighs on every row alike.
 
     Args:
         labels: the rows (the first round's order starts with the first).

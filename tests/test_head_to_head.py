@@ -13,9 +13,8 @@ import pytest
 
 from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
                                      Setting, balanced_order, cost_line, default_rows, held_out_best, median_cost,
-                                     median_interval,
-                                     paired_ratio, replay_file, round_order, round_times, setting_table,
-                                     steal_note, stolen_cpu_seconds, summarise, targets)
+                                     median_interval, paired_ratio, replay_file, round_order, round_times,
+                                     setting_table, steal_note, stolen_cpu_seconds, summarise, targets)
 from benchmarks.simulator_replay import replay_record, replayed_prediction
 from gradsync import compress, planners
 from gradsync.planning import predict_cycle
