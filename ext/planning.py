@@ -125,6 +125,14 @@ def predict_cycle(profile: ModelProfile, cost: CostModel, planner: BoundPlanner,
     return layout_plans, predict_steady(layout_plans, codec.steady_rounds(), cost)
 
 
+# auto's trials time no candidate predicted slower than this many times its own choice (or the
+# baseline, whichever is predicted faster). The simulator has erred by up to 50% on a plan of many
+# small ops (wfbp on the emulated ResNet-50), less on plans of few; a plan predicted twice as slow
+# would need more than that to win, and its trial iterations would be lost training time (on the
+# emulated MobileNet-V2 at 8 ranks, bytescheduler, us_byte and wfbp ran 12-20x DDP's buckets' time).
+TRIAL_PREDICTION_LIMIT = 2.0
+
+
 @dataclass(frozen=True)
 class Alternative:
     """A plan worth timing: the bound planner, the planner(s) its steady plans come from
@@ -141,7 +149,8 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
     """Up to `count` versions of a planner that chooses among others (``auto``) worth timing: first
     its baseline (``BoundPlanner.baseline``: torch DDP's buckets) when its candidates include one,
     then the planner itself (its own choice), then the planner restricted to each other candidate,
-    best predicted cycle time first; given an `incumbent`, that planner and the planner itself
+    best predicted cycle time first, as long as its prediction is within ``TRIAL_PREDICTION_LIMIT``
+    times the best of the first two; given an `incumbent`, that planner and the planner itself
     alone. Any whose steady layouts' plans equal those of one already listed is skipped.
 
     Args:
@@ -163,6 +172,8 @@ def plan_alternatives(profile: ModelProfile, cost: CostModel, codec: Codec, plan
     ranked = [] if incumbent is not None else sorted(
         (alternative(single) for single in planner.alternatives() if single != baseline),
         key=lambda item: (item[0].predicted, item[0].planner.described()))
+    slowest = TRIAL_PREDICTION_LIMIT * min(single.predicted for single, _ in first)
+    ranked = [(single, hashes) for single, hashes in ranked if single.predicted <= slowest]
     alternatives, seen = [], set()
     for single, hashes in [*first, *ranked]:
         if len(alternatives) >= count:

@@ -14,9 +14,10 @@ import gradsync
 from gradsync import compress, planners
 from gradsync.cost import CostModel
 from gradsync.launch import run_local
-from gradsync.planning import Alternative, plan_alternatives, predict_cycle
+from gradsync.planning import TRIAL_PREDICTION_LIMIT, Alternative, plan_alternatives, predict_cycle
 from gradsync.profile import zoo
 from gradsync.runtime import attached
+from gradsync.runtime import installed as installed_module
 from gradsync.runtime.measure import Install, TrialsDone
 from gradsync.runtime.measure import trials as trials_module
 from gradsync.runtime.measure.trials import (FOLLOW_UP_EVERY, MAX_FOLLOW_UP_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, PlanTrials,
@@ -181,16 +182,24 @@ def test_trials_visit_plans_forth_and_back_so_a_drifting_host_ranks_them_right()
     assert result["logged"] == [f"gradsync auto: {trial.summary()}"]
 
 
-@pytest.mark.parametrize("compressor, steady", [(None, ("plain",)),
-                                                ({"type": "acp_sgd", "rank": 4, "start_iter": 2}, ("P", "Q"))])
-def test_alternatives_are_ddp_then_auto_then_the_best_predicted_distinct_plans(compressor, steady):
-    profile = zoo("resnet50")
-    cost = CostModel.preset("asc-wfbp-10gbe", 8)
+# a link of high latency (12 ms an op, as the emulated 8-rank ring measures): plans of many small
+# ops are predicted several times slower than DDP's buckets
+HIGH_LATENCY = CostModel(a=12e-3, b=8 / 0.5e9, gamma=2.0, host=0.6e-3)
+
+
+@pytest.mark.parametrize("model, cost, compressor, steady, count", [
+    ("resnet50", CostModel.preset("asc-wfbp-10gbe", 8), None, ("plain",), 4),
+    ("resnet50", CostModel.preset("asc-wfbp-10gbe", 8), {"type": "acp_sgd", "rank": 4, "start_iter": 2},
+     ("P", "Q"), 4),
+    ("mobilenet_v2", HIGH_LATENCY, None, ("plain",), 2)])
+def test_alternatives_are_ddp_then_auto_then_the_best_predicted_distinct_plans(model, cost, compressor, steady,
+                                                                               count):
+    profile = zoo(model)
     codec = compress.build(compressor)
     codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
     auto = planners.bind("auto")
     alternatives = plan_alternatives(profile, cost, codec, auto, 4)
-    assert len(alternatives) == 4
+    assert len(alternatives) == count
     # brute force: every candidate's predicted cycle and the plans it runs once warmed up (the
     # uncompressed warm-up layout does not make two plans different)
     pool = [name for name in planners.names() if name != "auto"]
@@ -203,7 +212,11 @@ def test_alternatives_are_ddp_then_auto_then_the_best_predicted_distinct_plans(c
     if own not in seen:
         expected.append(auto)
         seen.add(own)
-    for name in sorted(pool, key=lambda n: (outcomes[n][0], n)):
+    # candidates predicted more than TRIAL_PREDICTION_LIMIT times the faster of the first two are not timed
+    slowest = TRIAL_PREDICTION_LIMIT * min(outcomes["ddp"][0], predict_cycle(profile, cost, auto, codec)[1])
+    too_slow = {name for name in pool if outcomes[name][0] > slowest and outcomes[name][1] not in seen}
+    assert bool(too_slow) == (model == "mobilenet_v2")  # the limit is what leaves the last case short of 4
+    for name in sorted(set(pool) - too_slow, key=lambda n: (outcomes[n][0], n)):
         if outcomes[name][1] not in seen and len(expected) < 4:
             seen.add(outcomes[name][1])
             expected.append(planners.bind("auto", candidates=(name,)))
@@ -252,12 +265,14 @@ def train_side_by_side(rank: int, steps: int, pairs, schedulers=()) -> None:
 
 
 def training_with_trials(rank, world_size):
-    """60 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP."""
+    """60 steps of auto with a measured profile and plan trials (AdamW, LR schedule), beside DDP,
+    on a cost of next to no latency: every candidate's plan predicted within TRIAL_PREDICTION_LIMIT
+    of the others (on the loopback's measured latency, wfbp's per-tensor ops are not worth timing)."""
     torch.manual_seed(3)
     model = TiedNet()
     reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     make = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731
-    model, optimizer = gradsync.wrap(model, make(model.parameters()), scheduler="auto",
+    model, optimizer = gradsync.wrap(model, make(model.parameters()), scheduler="auto", cost=CostModel(1e-6, 1e-10),
                                      candidates=("wfbp", "ddp", "us_byte"), plan_trials=3, trial_seconds=0.1)
     ref_optimizer = make(reference.parameters())
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=8, gamma=0.7) for o in (optimizer, ref_optimizer)]
@@ -393,15 +408,26 @@ def scripted_judge(rounds, confidence, tolerance, last):
 
 def training_with_follow_ups(rank, world_size):
     """auto with scripted verdicts (scripted_judge) and follow-up rounds every 4 iterations, beside
-    DDP: the report and the log at the end."""
+    DDP, on a cost that predicts every candidate within TRIAL_PREDICTION_LIMIT of the others: the
+    report and the log at the end, and the installations made before each hand-back of the host
+    heap's free pages."""
     trials_module.judge, trials_module.FOLLOW_UP_EVERY = scripted_judge, 4
     logged = captured_log()
+    installs, releases = [0], []
+    install = installed_module.InstalledPlans.install
+
+    def counted_install(self, *arguments):
+        installs[0] += 1
+        install(self, *arguments)
+
+    installed_module.InstalledPlans.install = counted_install
+    installed_module.release_freed_host_memory = lambda: releases.append(installs[0])
     torch.manual_seed(3)
     model = TiedNet()
     reference = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                      scheduler="auto", candidates=("wfbp", "ddp", "us_byte"), plan_trials=3,
-                                     warmup_iterations=1, measure_iterations=2)
+                                     cost=CostModel(1e-6, 1e-10), warmup_iterations=1, measure_iterations=2)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     train_side_by_side(rank, 100, ((model, optimizer), (reference, ref_optimizer)))
     optimizer.synchronize()
@@ -409,7 +435,7 @@ def training_with_follow_ups(rank, world_size):
     error = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     report = gradsync.report(model)
     result = {"error": error, "trials": report.trials, "chosen": report.chosen, "logged": logged,
-              "follow_up_pending": sync.installed.following_up}
+              "follow_up_pending": sync.installed.following_up, "installs": installs[0], "releases": releases}
     sync.detach()
     return result
 
@@ -426,6 +452,9 @@ def test_follow_up_rounds_in_training_switch_every_rank_at_once_and_train_like_d
     for result in results:
         assert result["chosen"] == trials.kept and not result["follow_up_pending"]
         assert result["error"] < 1e-5
+        # the heap's free pages go back after the wrap-time plan and the calibration, then not
+        # until the choice settled: no hand-back among the installations of the trials and follow-ups
+        assert result["installs"] > 4 and result["releases"] == [1, 1, result["installs"]]
 
 
 def test_the_summary_says_when_follow_ups_come_and_when_they_ended_undecided():

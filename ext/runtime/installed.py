@@ -103,8 +103,8 @@ class InstalledPlans:
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
                                                self.nonfinite, self.trace, self.partition, self.shared_buffers)
                           for layout, plan in plans.items()}
-        if self.table.device.type == "cpu":  # what the wrap-time probes and the replaced plans freed
-            release_freed_host_memory()
+        if self.partition is not None or not self.following_up:  # what the probes and replaced plans freed
+            self._release_host_memory()
         if self.replan:
             for executor in self.executors.values():
                 executor.time_ops()
@@ -166,11 +166,14 @@ class InstalledPlans:
             self.install(request.profile, self.cost, request.planner)
         elif isinstance(request, ProfileMeasured):
             self.rank_profiles = request.rank_profiles
+            self._release_host_memory()  # what the calibration's probes freed, before any plan trials
             self._choose_plans(request.profile)
         elif isinstance(request, TrialsDone):
             if request.planner is not None:
                 self.install(self.profile, self.cost, request.planner)
             self.trials, self.watch, self.measurement = request.result, request.watch, None
+            if not self.following_up:
+                self._release_host_memory()  # what the plans timed freed
 
     def _choose_plans(self, profile: ModelProfile, incumbent: BoundPlanner | None = None) -> None:
         """Install the wrapped planner's plans on `profile` and the cost in force, after timing them
@@ -193,6 +196,16 @@ class InstalledPlans:
             self.trace.mark(f"re-planned: communication {replan.drift:.2f}x its reference time")
         self.cost, self.watch = cost, None
         self._choose_plans(self.profile, incumbent=self.current)
+
+    def _release_host_memory(self) -> None:
+        """Hand the host heap's free pages back to the OS (``runtime.host_memory``) on a CPU model:
+        after the calibration's probes, at each installation of plans that stay, and under ZeRO (a
+        partition) at every installation, whose replaced buffers would otherwise add to the peak
+        memory ZeRO is there to cut. Not otherwise at the installations of auto's plan trials and
+        follow-up rounds: the iterations after each would fault afresh on the pages of the tensors
+        they write (hundreds a transformer iteration while follow-up rounds run)."""
+        if self.table.device.type == "cpu":
+            release_freed_host_memory()
 
     def _over_ranks(self, op, what: str) -> StartReduction:
         """Reductions of a watcher's numbers over the ranks (``runtime.over_ranks``), named `what`."""
