@@ -741,6 +741,8 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
             line += (f"; its follow-up rounds went on into the timed rounds after {settled} iterations"
                      if results[auto].following else f"; it settled after {settled} iterations")
         line += f"; its trials took {results[auto].trial_iterations} iterations"
+    elif results[auto].settled_after is not None:
+        line += f"; it settled after {results[auto].settled_after} iterations, without plan trials"
     if results[auto].trial_summary:
         line += f" ({results[auto].trial_summary})"
     return line

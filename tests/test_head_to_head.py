@@ -196,6 +196,10 @@ def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
     assert line.endswith("; its follow-up rounds went on into the timed rounds after 700 iterations; "
                          "its trials took 49 iterations")
+    report["rows"][auto].update(trial_iterations=None, following=False)  # no plan worth timing: no trials
+    [line, *_] = targets({Setting("transformer", 2, "10gbit"): summarise([report])})
+    assert line.endswith("; it settled after 700 iterations, without plan trials")
+    report["rows"][auto]["trial_iterations"] = 49
     del report["rows"][auto]["settled_after"], report["rows"][auto]["following"]
     # the trials' own verdict, each gain with its margin, follows where the rank reported it
     verdict = TrialResult(("ddp", "mg_wfbp"), (0.012, 0.0118), (0.011, 0.0105),

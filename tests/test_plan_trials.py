@@ -226,6 +226,22 @@ def test_alternatives_are_ddp_then_auto_then_the_best_predicted_distinct_plans(m
         assert alternative.predicted == pytest.approx(predict_cycle(profile, cost, alternative.planner, codec)[1])
 
 
+def test_without_a_candidate_worth_timing_auto_keeps_its_plan_and_says_why(caplog):
+    profile = zoo("mobilenet_v2")
+    codec = compress.build(None)
+    codec.setup({t.name: t for layer in profile.layers for t in layer.tensors}, 8, seed=0)
+    auto = planners.bind("auto", candidates=("ddp", "wfbp", "bytescheduler"))
+    # the per-tensor plans, predicted several times DDP's buckets' time on the high-latency link
+    assert min(predict_cycle(profile, HIGH_LATENCY, planners.bind("auto", candidates=(name,)), codec)[1]
+               for name in ("wfbp", "bytescheduler")) > TRIAL_PREDICTION_LIMIT * predict_cycle(
+                   profile, HIGH_LATENCY, auto, codec)[1]
+    caplog.set_level(logging.INFO, logger="gradsync")
+    channels = SimpleNamespace(process_group=None, timeout=60.0, rank=0)
+    assert PlanTrials.start(profile, HIGH_LATENCY, codec, auto, 4, channels, torch.device("cpu")) is None
+    assert caplog.messages == ["gradsync auto: kept ddp without plan trials: no other candidate makes other plans "
+                               f"predicted within {TRIAL_PREDICTION_LIMIT:g}x its time"]
+
+
 def test_without_ddp_among_the_candidates_auto_own_choice_comes_first():
     profile = zoo("resnet50")
     cost = CostModel.preset("asc-wfbp-10gbe", 8)

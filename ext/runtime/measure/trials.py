@@ -46,7 +46,7 @@ from ...compress import Codec
 from ...cost import CostModel
 from ...planners import BoundPlanner
 from ...plan import ALLREDUCE
-from ...planning import Alternative, plan_alternatives
+from ...planning import TRIAL_PREDICTION_LIMIT, Alternative, plan_alternatives
 from ...profile import ModelProfile
 from ..channels import Channels
 from ..over_ranks import PendingReduction, reduction_over_ranks
@@ -237,6 +237,9 @@ class PlanTrials(Measurement):
             return None
         alternatives = plan_alternatives(profile, cost, codec, planner, count, collective, incumbent)
         if len(alternatives) < 2:
+            if channels.rank == 0:
+                log.info("gradsync auto: kept %s without plan trials: no other candidate makes other plans predicted "
+                         "within %gx its time", alternatives[0].label, TRIAL_PREDICTION_LIMIT)
             return None
         cycle = len(codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
         return cls(profile, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle), planner, channels, device)
