@@ -256,6 +256,7 @@ class Variant:
     compute_scales: list[list[float]] = field(default_factory=list)  # per timed block, its iterations'
     settled_after: int | None = None  # the steps `calibrate` took
     following: bool = False  # auto's follow-up rounds went on after them
+    replans_before: int = 0  # the re-plannings online (`SyncReport.replans`) before the timed rounds
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
 
@@ -306,6 +307,7 @@ class Variant:
             steps += 1
         self.settle()  # no op or deferred update of this row stays in flight beside the next
         self.settled_after, self.following = steps, self.gradsync and attached(self.model).installed.following_up
+        self.replans_before = len(attached(self.model).installed.replans) if self.gradsync else 0
 
     def settle(self) -> None:
         """Wait for gradsync's outstanding ops and apply its deferred updates."""
@@ -323,6 +325,7 @@ class Variant:
             report["trial_iterations"] = None if trials is None else trials.iterations
             report["trial_summary"] = None if trials is None else trials.summary()
             report["settled_after"], report["following"] = self.settled_after, self.following
+            report["replans"] = [replan.summary() for replan in installed.replans[self.replans_before:]]
             report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
                                              installed.rank_profiles, self.compute_scales)
         return report
@@ -488,6 +491,7 @@ class RowResult:
     replay: dict | None = None  # what its prediction was made from (benchmarks.simulator_replay)
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
     first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
+    replans: tuple[str, ...] = ()  # the re-plannings online during the timed rounds (Replan.summary)
 
     @property
     def error(self) -> float | None:
@@ -542,7 +546,8 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
             first_fit, predicted = predicted, replayed_prediction(replay)
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
                                    row.get("trial_iterations"), row.get("trial_summary"), row.get("settled_after"),
-                                   row.get("following", False), replay, codec, first_fit)
+                                   row.get("following", False), replay, codec, first_fit,
+                                   tuple(row.get("replans", ())))
     return results
 
 
@@ -761,6 +766,11 @@ def targets(summaries: dict[Setting, dict[str, RowResult]]) -> list[str]:
             lines.append(f"- CNN, {setting.world_size} ranks, 1 Gbit/s: " + best_plan_target(results, plan_rows, 1.15))
         if setting.model in EMULATED_MODELS:
             lines += emulated_targets(setting, results, plan_rows)
+        replanned = [f"{label} {len(result.replans)}× (first at {result.replans[0]})"
+                     for label, result in results.items() if result.replans]
+        if replanned:
+            lines.append(f"- {setting.model}, {setting.world_size} ranks, {setting.network}: re-planned online "
+                         f"during the timed rounds (the cost watch): {'; '.join(replanned)}")
         if setting.model == "transformer" and setting.network == "1gbit":
             acp = ROWS["acp_sgd"].label
             lines.append(f"- transformer, {setting.world_size} ranks, 1 Gbit/s: acp_sgd "

@@ -177,6 +177,18 @@ def test_the_best_non_compressing_plan_counts_every_uncompressed_gradsync_row_th
     assert ROWS["mg_wfbp_overlap"].options == {"overlap_forward": True}
 
 
+def test_the_targets_name_the_rows_that_re_planned_during_the_timed_rounds():
+    auto = ROWS["auto"].label
+    report = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.2] * 3, BUCKETS: [1.2] * 3, auto: [1.1] * 3})
+    setting = Setting("transformer", 2, "10gbit")
+    assert not any("re-planned" in line for line in targets({setting: summarise([report])}))
+    report["rows"][auto]["replans"] = ["iteration 2301: the communication took 1.62x its reference time; ...",
+                                       "iteration 2410: the communication took 0.58x its reference time; ..."]
+    replanned = [line for line in targets({setting: summarise([report])}) if "re-planned" in line]
+    assert replanned == ["- transformer, 2 ranks, 10gbit: re-planned online during the timed rounds (the cost watch): "
+                         f"{auto} 2× (first at iteration 2301: the communication took 1.62x its reference time; ...)"]
+
+
 def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     auto, mg_wfbp, wfbp = ROWS["auto"].label, ROWS["mg_wfbp"].label, ROWS["wfbp"].label
     report = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.2] * 3, wfbp: [1.3] * 3, mg_wfbp: [1.0] * 3,
