@@ -14,8 +14,8 @@ from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.runtime.channels import Channels
 from gradsync.runtime.executor import PlanExecutor
-from gradsync.runtime.measure.cost_watch import (DRIFT, FLOOR, PERSIST, REFERENCE_WINDOWS, WINDOW, CostWatch,
-                                                 per_byte_change)
+from gradsync.runtime.measure.cost_watch import (AGREE, DRIFT, FLOOR, MAX_REFERENCE_WINDOWS, PERSIST,
+                                                 REFERENCE_WINDOWS, WINDOW, CostWatch, per_byte_change)
 
 A, B = 1e-4, 1e-9
 SIZES = (4_000, 40_000, 400_000)  # the ops of an iteration, bytes
@@ -43,10 +43,10 @@ def reduced_by(combine):
     return start
 
 
-def watch_over(iterations, combine=lambda values: values, cost=CostModel(A, B), times=iteration_time):
-    """CostWatch over `iterations` (the first one settles), the plans made on `cost`: [(iteration,
-    re-fitted cost)]."""
-    watch = CostWatch(cost, "allreduce", LAYOUTS, reduced_by(combine))
+def watch_over(iterations, combine=lambda values: values, cost=CostModel(A, B), times=iteration_time, watch=None):
+    """CostWatch (or `watch`) over `iterations` (the first one settles), the plans made on `cost`:
+    [(iteration, re-fitted cost)]."""
+    watch = watch or CostWatch(cost, "allreduce", LAYOUTS, reduced_by(combine))
     return [(index, cost) for index, measured in enumerate(iterations)
             if (cost := watch.observe(measured, times(measured))) is not None]
 
@@ -103,6 +103,36 @@ def test_a_faster_link_is_refitted_too_and_the_least_time_over_the_ranks_decides
     assert watch_over(slower_here, combine=lambda values: [min(v, p) for v, p in zip(values, peer)]) == []
 
 
+def test_a_burst_of_load_while_the_reference_is_timed_is_left_out_of_it():
+    burst = busy(contention=3 * CONTENTION)  # the host's load triples the ops' time for one window
+    after_burst = [busy()] + [burst] * WINDOW + [busy()] * (6 * WINDOW)
+    assert watch_over(after_burst) == []  # one reference over both windows would make the rest "faster"
+    # the reference waits for two windows that agree; a link slowing after it is whole is still found
+    whole = 1 + (REFERENCE_WINDOWS + 1) * WINDOW
+    slower = after_burst[:whole + WINDOW] + [busy(extra_b=3 * B)] * (4 * WINDOW)
+    iteration, cost = watch_over(slower)[0]
+    assert iteration == whole + WINDOW + PERSIST * WINDOW
+    assert (cost.a, cost.b) == pytest.approx((A, 4 * B), rel=1e-6)  # on the steady windows' reference
+
+
+def test_windows_that_never_agree_give_the_median_over_the_most_windows_as_reference():
+    steady, heavy = busy()[0][1], busy(contention=2 * CONTENTION)[0][1]
+    assert heavy > AGREE * steady  # the two do not agree
+    watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, reduced_by(lambda values: values))
+    alternating = [busy()] + ([busy()] * WINDOW + [busy(contention=2 * CONTENTION)] * WINDOW) * MAX_REFERENCE_WINDOWS
+    assert watch_over(alternating[:MAX_REFERENCE_WINDOWS * WINDOW + 1], watch=watch) == []
+    assert watch.reference is None  # the last window's times are read at the next iteration
+    watch_over(alternating[MAX_REFERENCE_WINDOWS * WINDOW + 1:][:1], watch=watch)
+    assert watch.reference == [pytest.approx(steady)]  # 3 steady windows of 5
+    # two windows agree at once when within AGREE of each other (beside iterations of the
+    # communication alone), or apart by less than SIGNIFICANT of an iteration (here 4x slower)
+    for extra, times in ((steady * (AGREE - 1) * 0.9, lambda measured: measured[0][1]),
+                         (steady * 3, lambda measured: 100 * steady)):
+        watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, reduced_by(lambda values: values))
+        watch_over([busy()] * (1 + WINDOW) + [busy(extra=extra)] * WINDOW + [busy()], watch=watch, times=times)
+        assert watch.reference == [pytest.approx(steady + extra / 2)]
+
+
 def test_a_rank_without_timings_still_takes_part_in_every_comparison():
     calls = []
 
@@ -112,7 +142,7 @@ def test_a_rank_without_timings_still_takes_part_in_every_comparison():
     watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, reduced_by(combine))
     for _ in range(SETTLED + 2 * WINDOW):
         assert watch.observe([], 0.01) is None
-    assert calls == [[math.inf, 0.01]] * 3  # every window, the reference's included
+    assert calls == [[math.inf, 0.01]] * (REFERENCE_WINDOWS + 2)  # every window, the reference's included
 
 
 class SlowWork:
@@ -135,10 +165,20 @@ class SlowWork:
 
 
 LINK = {"per_byte": 0.0}  # the emulated link's extra seconds per byte (0: the real one alone)
-STEPS, SLOW_FROM, FAST_FROM = 120, 30, 80
+SLOW_FROM, MAX_STEPS = 30, 240  # the link slows at this step at the earliest (its reference whole)
+
+
+def reference_whole(model) -> bool:
+    """Whether the cost watch of the plans in force has its reference (``CostWatch``, step 2)."""
+    watch = gradsync.runtime.attached(model).installed.cost_watch
+    return watch is not None and watch.reference is not None
 
 
 def train_through_a_rate_change(rank: int, world_size: int, replan: bool, trace_path: str | None):
+    """Training whose link slows from step SLOW_FROM on, once the reference is whole (without
+    re-planning: at SLOW_FROM), and recovers once the plans made again for it have their reference;
+    to two steps after the second re-planning (or MAX_STEPS). Every rank takes each decision at the
+    same step."""
     real = Channels.all_reduce
 
     def all_reduce(self, channel, tensor):
@@ -152,9 +192,14 @@ def train_through_a_rate_change(rank: int, world_size: int, replan: bool, trace_
     model, optimizer = gradsync.wrap(model, optimizer, "mg_wfbp", cost=CostModel(A, B), replan=replan,
                                      trace=trace_path, plan_trials=0)
     generator = torch.Generator().manual_seed(rank)
-    replans_seen = []
-    for step in range(STEPS):
-        LINK["per_byte"] = 5e-8 if SLOW_FROM <= step < FAST_FROM else 0.0  # 3.3 ms more per 64 KiB
+    replans_seen, changes = [], []  # the steps the link slowed and recovered at
+    for step in range(MAX_STEPS):
+        replans = gradsync.report(model).replans
+        if len(changes) == len(replans) < 2 and step >= SLOW_FROM and (reference_whole(model) or not replan):
+            changes.append(step)
+            LINK["per_byte"] = 5e-8 if len(changes) == 1 else 0.0  # 3.3 ms more per 64 KiB
+        if len(replans) == 2 and step >= replans[1].iteration + 2:
+            break
         loss = model(torch.randn(16, 128, generator=generator)).square().mean()
         loss.backward()
         optimizer.step()
@@ -163,7 +208,7 @@ def train_through_a_rate_change(rank: int, world_size: int, replan: bool, trace_
     report = gradsync.report(model)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     result = {"replans": [(r.iteration, r.drift, r.before.b, r.after.b) for r in report.replans],
-              "replans_seen": replans_seen, "parameters": flat,
+              "replans_seen": replans_seen, "changes": changes, "parameters": flat,
               "cost_b": report.layouts["plain"].cost.b}
     gradsync.runtime.attached(model).detach()
     return result
@@ -173,13 +218,15 @@ def test_two_ranks_replan_at_the_same_iteration_when_the_link_slows_and_again_wh
     ranks = run_local(train_through_a_rate_change, 2, True, str(tmp_path / "trace.json"), timeout=300)
     first, second = ranks
     assert [r[0] for r in first["replans"]] == [r[0] for r in second["replans"]]  # the same iterations
+    assert first["changes"] == second["changes"]
     assert torch.equal(first["parameters"], second["parameters"])
     replans = first["replans"]
-    assert len(replans) == 2, replans
+    assert len(replans) == 2, (replans, first["changes"])
     (slow_at, slow_drift, b_before, b_slow), (fast_at, fast_drift, _, b_fast) = replans
+    slow_from, fast_from = first["changes"]
     # iterations count from wrap: 4 of them calibrate the profile before the plans are installed
-    assert SLOW_FROM < slow_at <= SLOW_FROM + 1 + (PERSIST + 1) * WINDOW
-    assert FAST_FROM < fast_at <= FAST_FROM + 1 + (PERSIST + 1) * WINDOW
+    assert slow_from < slow_at <= slow_from + 1 + (PERSIST + 1) * WINDOW
+    assert slow_at < fast_from < fast_at <= fast_from + 1 + (PERSIST + 1) * WINDOW
     assert slow_drift >= DRIFT and fast_drift <= 1 / DRIFT
     assert b_slow > 2 * b_before and b_fast < b_slow / 2
     assert first["cost_b"] == b_fast  # the plans in force were made on the last re-fitted cost
@@ -192,7 +239,7 @@ def test_two_ranks_replan_at_the_same_iteration_when_the_link_slows_and_again_wh
 
 def test_replanning_can_be_turned_off():
     first, second = run_local(train_through_a_rate_change, 2, False, None, timeout=300)
-    assert first["replans"] == second["replans"] == []
+    assert first["replans"] == second["replans"] == [] and first["changes"] == [SLOW_FROM]
     assert first["cost_b"] == B
     with pytest.raises(gradsync.ConfigError, match="'replan' must be true or false"):
         gradsync.runtime.check_wrap_arguments(replan="yes")

@@ -10,10 +10,14 @@ model re-fitted from those times when the network changes.
    samples or none, and read at the next: ``runtime.over_ranks``), per wire layout (a codec's
    layouts send different bytes).
 2. A plan sends the same bytes every iteration, so it is compared with itself: after each
-   installation, the first `REFERENCE_WINDOWS` windows together (after one iteration to settle)
-   give each layout its reference time. Beside the computation the ops take longer than the
-   probes' isolated a + b·m; comparing a plan with itself leaves that out. In every later window,
-   the drift is the summed layouts' times over their summed references.
+   installation (and one iteration to settle), the first `REFERENCE_WINDOWS` windows running that
+   agree (their summed times within `AGREE` of each other, or apart by less than `SIGNIFICANT` of
+   the iteration time) give each layout its reference time, the median of its times in them; after
+   `MAX_REFERENCE_WINDOWS` windows without such a run, the median over all of them. A burst of load
+   on the host while the reference is timed would otherwise stand for the link's rate until the
+   next installation, and its end read as a faster network. Beside the computation the ops take
+   longer than the probes' isolated a + b·m; comparing a plan with itself leaves that out. In every
+   later window, the drift is the summed layouts' times over their summed references.
 3. The network changed when the drift is past `DRIFT` either way (slower or faster by that factor)
    and the change is at least `SIGNIFICANT` of the iteration time, in `PERSIST` windows running,
    the same way. A link whose rate changes adds (or takes) wire time in proportion to the bytes,
@@ -21,7 +25,8 @@ model re-fitted from those times when the network changes.
    the latency a stays as probed (the ops' sharing of the link hides its change). Every
    collective's b moves in that proportion (``CostModel.rescaled_b``).
 4. The runtime plans again on the re-fitted cost (a choosing planner times its new choice against
-   the plans that ran), every rank at the same iteration, the plans' hashes checked as at wrap time (``runtime.installed``).
+   the plans that ran), every rank at the same iteration, the plans' hashes checked as at wrap
+   time (``runtime.installed``).
    Every rank decides on the same numbers, so every rank decides alike.
 """
 from __future__ import annotations
@@ -35,11 +40,13 @@ from ...cost import CostModel
 from ..over_ranks import PendingReduction, StartReduction
 
 WINDOW = 8  # iterations per comparison: one small all-reduce each, read at the next iteration
-REFERENCE_WINDOWS = 2  # the reference is timed over this many windows' iterations (one all-reduce)
 DRIFT = 1.5  # the communication this many times slower (or faster) than its reference...
 SIGNIFICANT = 0.10  # ...by at least this fraction of the iteration time...
 PERSIST = 2  # ...in this many windows running: the cost is re-fitted
 FLOOR = 0.01  # a re-fitted b keeps at least this fraction of what it was
+REFERENCE_WINDOWS = 2  # this many windows running that agree form the reference...
+AGREE = math.sqrt(DRIFT)  # ...their summed times this close (a steady link stays as far from DRIFT)
+MAX_REFERENCE_WINDOWS = 5  # ...or, failing that, this many windows (the median over them)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ class CostWatch:
         self.times: dict[Hashable, list[float]] = {}  # each layout's busy times in the window under way
         self.iteration_times: list[float] = []
         self.reference: list[float] | None = None  # each layout's reference time (inf: never timed)
+        self.reference_windows: list[tuple[list[float], float]] = []  # the windows timed for it so far
         self.drifting = 0  # windows running past the thresholds: > 0 slower, < 0 faster
         self.drift = 1.0  # the last window's
 
@@ -116,7 +124,7 @@ class CostWatch:
         for layout, seconds in busy:
             self.times.setdefault(layout, []).append(seconds)
         self.iteration_times.append(iteration_time)
-        if len(self.iteration_times) >= WINDOW * (REFERENCE_WINDOWS if self.reference is None else 1):
+        if len(self.iteration_times) >= WINDOW:
             local = [statistics.median(self.times[layout]) if layout in self.times else math.inf
                      for layout, _ in self.layouts]
             self.least.start(local + [statistics.median(self.iteration_times)])
@@ -130,9 +138,22 @@ class CostWatch:
             return None
         *medians, iteration = least
         if self.reference is None:
-            self.reference = medians
+            self._form_reference(medians, iteration)
             return None
         return self._judge(medians, iteration)
+
+    def _form_reference(self, medians: list[float], iteration: float) -> None:
+        """Step 2 of the module docstring: the reference, once the windows timed so far settle it."""
+        self.reference_windows.append((medians, iteration))
+        running = self.reference_windows[-REFERENCE_WINDOWS:]
+        if len(running) == REFERENCE_WINDOWS and _agree(running):
+            chosen = running
+        elif len(self.reference_windows) >= MAX_REFERENCE_WINDOWS:
+            chosen = self.reference_windows
+        else:
+            return
+        self.reference = [statistics.median(times) for times in zip(*(medians for medians, _ in chosen))]
+        self.reference_windows = []
 
     def _judge(self, medians: list[float], iteration: float) -> CostModel | None:
         """Steps 2 and 3 of the module docstring on a window's times."""
@@ -150,3 +171,12 @@ class CostWatch:
             return None
         change = per_byte_change([size for size, _, _ in timed], [now - before for _, before, now in timed])
         return self.cost.rescaled_b(max(self.b + change, FLOOR * self.b) / self.b)
+
+
+def _agree(windows: list[tuple[list[float], float]]) -> bool:
+    """Whether the windows' summed times (over the layouts each of them timed) lie within `AGREE`
+    of each other, or apart by less than `SIGNIFICANT` of their longest iteration."""
+    timed = [all(math.isfinite(medians[index]) for medians, _ in windows) for index in range(len(windows[0][0]))]
+    sums = [sum(time for time, kept in zip(medians, timed) if kept) for medians, _ in windows]
+    longest = max(iteration for _, iteration in windows)
+    return max(sums) <= AGREE * min(sums) or max(sums) - min(sums) < SIGNIFICANT * longest
