@@ -34,6 +34,7 @@ import argparse
 import copy
 import itertools
 import json
+import logging
 import os
 import statistics
 import sys
@@ -241,6 +242,22 @@ QUICK_ROWS = ("ddp", "ddp_powersgd", "mg_wfbp", "acp_sgd")
 
 
 # -- rank side -------------------------------------------------------------------------------------
+class DecisionLog(logging.Handler):
+    """gradsync's log records (rank 0 logs its decisions: auto's trials and follow-up rounds, the
+    re-plannings online), each kept by the row whose step emitted it, with that row's step count."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.row: Variant | None = None  # the row stepping now
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.row is not None:
+            self.row.decisions.append(f"step {self.row.steps}: {record.getMessage()}")
+
+
+DECISIONS = DecisionLog()
+
+
 @dataclass
 class Variant:
     """One row's model and optimizer on this rank, and its measurements per timed block."""
@@ -257,10 +274,16 @@ class Variant:
     settled_after: int | None = None  # the steps `calibrate` took
     following: bool = False  # auto's follow-up rounds went on after them
     replans_before: int = 0  # the re-plannings online (`SyncReport.replans`) before the timed rounds
+    steps: int = 0  # the steps run so far
+    calibration_seconds: list[float] = field(default_factory=list)  # each step `calibrate` ran
+    measuring_blocks: int = 0  # timed blocks during which gradsync was timing plans (trials, follow-ups)
+    decisions: list[str] = field(default_factory=list)  # gradsync's log records in its steps (``DecisionLog``)
 
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        DECISIONS.row = self
+        self.steps += 1
         self.optimizer.zero_grad()
         self.loss(self.model(inputs), labels).backward()
         self.optimizer.step()
@@ -269,6 +292,7 @@ class Variant:
         """After a barrier and `UNTIMED_STEPS`, `iterations` timed steps; then gradsync's ops still
         in flight complete and its deferred updates are applied, after the clock has stopped."""
         dist.barrier()
+        measuring = self.measuring()
         try:
             for _ in range(UNTIMED_STEPS):
                 self.step(inputs, labels)
@@ -281,6 +305,7 @@ class Variant:
             raise
         self.settle()
         if timed:
+            self.measuring_blocks += measuring or self.measuring()
             self.seconds.append(elapsed / iterations)
             if self.gradsync:
                 recent = list(itertools.islice(reversed(attached(self.model).clock.history), iterations))
@@ -299,15 +324,25 @@ class Variant:
         while self.gradsync and attached(self.model).measurement is not None:
             if steps == CALIBRATION_LIMIT:
                 raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
-            self.step(inputs, labels)
+            self.timed_step(inputs, labels)
             steps += 1
         limit = steps + follow_up_steps
         while self.gradsync and attached(self.model).installed.following_up and steps < limit:
-            self.step(inputs, labels)
+            self.timed_step(inputs, labels)
             steps += 1
         self.settle()  # no op or deferred update of this row stays in flight beside the next
         self.settled_after, self.following = steps, self.gradsync and attached(self.model).installed.following_up
         self.replans_before = len(attached(self.model).installed.replans) if self.gradsync else 0
+
+    def timed_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        """A step of `calibrate`, its time kept in `calibration_seconds`."""
+        started = time.perf_counter()
+        self.step(inputs, labels)
+        self.calibration_seconds.append(time.perf_counter() - started)
+
+    def measuring(self) -> bool:
+        """Whether gradsync is timing plans now (auto's trials or follow-up rounds)."""
+        return self.gradsync and attached(self.model).measurement is not None
 
     def settle(self) -> None:
         """Wait for gradsync's outstanding ops and apply its deferred updates."""
@@ -326,6 +361,8 @@ class Variant:
             report["trial_summary"] = None if trials is None else trials.summary()
             report["settled_after"], report["following"] = self.settled_after, self.following
             report["replans"] = [replan.summary() for replan in installed.replans[self.replans_before:]]
+            report["measuring_blocks"], report["decisions"] = self.measuring_blocks, self.decisions
+            report["calibration_seconds"] = self.calibration_seconds
             report["replay"] = replay_record(installed.layout_plans, sync.codec.steady_rounds(), installed.cost,
                                              installed.rank_profiles, self.compute_scales)
         return report
@@ -424,6 +461,9 @@ def round_order(labels: list[str], round_index: int = 0, pair: tuple[str, str] =
 def rank_main(rank: int, world_size: int, job: dict) -> dict:
     """One rank of a setting: every row interleaved in blocks; per row, its timed blocks."""
     torch.manual_seed(0)
+    gradsync_log = logging.getLogger("gradsync")
+    gradsync_log.addHandler(DECISIONS)
+    gradsync_log.setLevel(logging.INFO)
     workload = WORKLOADS[job["model"]]
     base = workload.build_model(job["time_scale"]) if job["model"] in EMULATED_MODELS else workload.build_model()
     cost = shared_cost(base)  # the rows plan with this fit
@@ -492,6 +532,9 @@ class RowResult:
     codec: float | None = None  # gradsync's encoding and decoding (IterationStats.codec_time)
     first_fit_predicted: float | None = None  # predicted with the cost the rows planned with alone
     replans: tuple[str, ...] = ()  # the re-plannings online during the timed rounds (Replan.summary)
+    measuring_blocks: int = 0  # timed blocks during which auto was timing plans (trials, follow-ups)
+    decisions: tuple[str, ...] = ()  # rank 0's gradsync log records in the row's steps (DecisionLog)
+    calibration_seconds: tuple[float, ...] = ()  # rank 0's time of each step before the timed rounds
 
     @property
     def error(self) -> float | None:
@@ -547,7 +590,8 @@ def summarise(reports: list[dict]) -> dict[str, RowResult]:
         results[label] = RowResult(label, seconds, slowest, comm, predicted, row.get("plan"), row.get("trials"),
                                    row.get("trial_iterations"), row.get("trial_summary"), row.get("settled_after"),
                                    row.get("following", False), replay, codec, first_fit,
-                                   tuple(row.get("replans", ())))
+                                   tuple(row.get("replans", ())), row.get("measuring_blocks", 0),
+                                   tuple(row.get("decisions", ())), tuple(row.get("calibration_seconds", ())))
     return results
 
 
@@ -750,6 +794,9 @@ def auto_target(setting: Setting, results: dict[str, RowResult], plan_rows: list
         line += f"; it settled after {results[auto].settled_after} iterations, without plan trials"
     if results[auto].trial_summary:
         line += f" ({results[auto].trial_summary})"
+    if results[auto].measuring_blocks:
+        line += (f"; it was timing plans (its trials started again, or follow-up rounds) during "
+                 f"{results[auto].measuring_blocks} of its {rounds} timed blocks")
     return line
 
 
@@ -868,8 +915,20 @@ def markdown(command: str, summaries: dict[Setting, dict[str, RowResult]], costs
         if setting in failures:
             lines += [f"Failed: {failures[setting]}", ""]
             continue
-        lines += [costs[setting], "", *setting_table(setting, summaries[setting]), ""]
+        lines += [costs[setting], "", *setting_table(setting, summaries[setting]), "",
+                  *decision_lines(summaries[setting])]
     return "\n".join(lines)
+
+
+def decision_lines(results: dict[str, RowResult]) -> list[str]:
+    """Each gradsync row's decisions as rank 0 logged them (auto's trials and follow-up rounds, its
+    trials started again, the re-plannings online), by the row's step (its calibration's included)."""
+    lines = []
+    for label, row in results.items():
+        if row.decisions:
+            lines += [f"{label}, its decisions (rank 0's log; by the row's step, of {row.settled_after} before the "
+                      "timed rounds):", "", *(f"- {decision}" for decision in row.decisions), ""]
+    return lines
 
 
 def replay_file(summaries: dict[Setting, dict[str, RowResult]]) -> dict:
@@ -877,7 +936,7 @@ def replay_file(summaries: dict[Setting, dict[str, RowResult]]) -> dict:
     rows can be paired by round again) and, for gradsync rows, the prediction and what it was
     predicted from: the data benchmarks.simulator_replay re-predicts (a torch row's `replay` is None)."""
     return {setting.title: {label: {"seconds": row.seconds, "blocks": list(row.blocks), "predicted": row.predicted,
-                                    "replay": row.replay}
+                                    "replay": row.replay, "calibration_seconds": list(row.calibration_seconds)}
                             for label, row in results.items()}
             for setting, results in summaries.items()}
 

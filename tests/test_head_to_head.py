@@ -11,10 +11,11 @@ import statistics
 
 import pytest
 
-from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, RowResult,
-                                     Setting, balanced_order, cost_line, default_rows, held_out_best, median_cost,
-                                     median_interval, paired_ratio, replay_file, round_order, round_times,
-                                     setting_table, steal_note, stolen_cpu_seconds, summarise, targets)
+from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, DecisionLog,
+                                     RowResult, Setting, Variant, balanced_order, cost_line, decision_lines,
+                                     default_rows, held_out_best, median_cost, median_interval, paired_ratio,
+                                     replay_file, round_order, round_times, setting_table, steal_note,
+                                     stolen_cpu_seconds, summarise, targets)
 from benchmarks.simulator_replay import replay_record, replayed_prediction
 from gradsync import compress, planners
 from gradsync.planning import predict_cycle
@@ -189,6 +190,41 @@ def test_the_targets_name_the_rows_that_re_planned_during_the_timed_rounds():
                          f"{auto} 2× (first at iteration 2301: the communication took 1.62x its reference time; ...)"]
 
 
+def test_gradsync_s_log_records_are_kept_by_the_row_stepping_and_listed_under_its_table():
+    import logging
+
+    log = logging.getLogger("gradsync.test_head_to_head")
+    handler = DecisionLog()
+    log.addHandler(handler)
+    try:
+        rows = [Variant(label, None, None, gradsync=True) for label in ("a", "b")]
+        log.warning("before any row steps")  # kept by none
+        for row, steps in zip(rows, (3, 7)):
+            handler.row, row.steps = row, steps
+            log.warning("gradsync auto: kept %s", row.label)
+    finally:
+        log.removeHandler(handler)
+    assert [row.decisions for row in rows] == [["step 3: gradsync auto: kept a"], ["step 7: gradsync auto: kept b"]]
+    auto = ROWS["auto"].label
+    report = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.2] * 3, auto: [1.1] * 3})
+    report["rows"][auto].update(decisions=rows[0].decisions, settled_after=700)
+    assert decision_lines(summarise([report])) == [
+        f"{auto}, its decisions (rank 0's log; by the row's step, of 700 before the timed rounds):", "",
+        "- step 3: gradsync auto: kept a", ""]
+
+
+def test_auto_s_target_says_in_how_many_timed_blocks_it_was_timing_plans():
+    auto = ROWS["auto"].label
+    report = rank_report({COMPUTE_ONLY: [0.5] * 4, DDP: [1.2] * 4, auto: [1.1] * 4})
+    setting = Setting("transformer", 2, "10gbit")
+    [line, *_] = targets({setting: summarise([report])})
+    assert "timing plans" not in line
+    report["rows"][auto]["measuring_blocks"] = 3
+    [line, *_] = targets({setting: summarise([report])})
+    assert line.endswith("; it was timing plans (its trials started again, or follow-up rounds) during 3 of its 4 "
+                         "timed blocks")
+
+
 def test_auto_is_judged_against_torch_ddp_and_the_best_fixed_plan():
     auto, mg_wfbp, wfbp = ROWS["auto"].label, ROWS["mg_wfbp"].label, ROWS["wfbp"].label
     report = rank_report({COMPUTE_ONLY: [0.5] * 3, DDP: [1.2] * 3, wfbp: [1.3] * 3, mg_wfbp: [1.0] * 3,
@@ -309,7 +345,8 @@ def test_the_stored_record_keeps_every_rows_blocks_for_pairing_them_again():
     report = rank_report({COMPUTE_ONLY: [0.5, 0.6], DDP: [1.0, 1.2, 1.1, 1.3], auto: [0.9, 1.1]})
     stored = json.loads(json.dumps(replay_file({Setting("cnn", 2, "1gbit"): summarise([report])})))
     [rows] = stored.values()
-    assert rows[DDP] == {"seconds": 1.15, "blocks": [1.0, 1.2, 1.1, 1.3], "predicted": None, "replay": None}
+    assert rows[DDP] == {"seconds": 1.15, "blocks": [1.0, 1.2, 1.1, 1.3], "predicted": None, "replay": None,
+                         "calibration_seconds": []}
     assert rows[auto]["blocks"] == [0.9, 1.1] and rows[COMPUTE_ONLY]["blocks"] == [0.5, 0.6]
 
 
