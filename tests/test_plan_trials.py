@@ -316,31 +316,39 @@ def test_trials_time_each_plan_keep_one_and_train_like_ddp():
         assert result["error"] < 1e-5
 
 
-def watched(rank, world_size, times: list[float], cooldown: int):
-    """ChoiceWatch over scripted iteration times, against a trial time of 1 s: the iterations after
-    which it started the trials again."""
+def watched(rank, world_size, times: list[float], cooldown: int, trial_times: tuple[float, float]):
+    """ChoiceWatch over scripted iteration times, after trials that timed ddp and us_byte at
+    `trial_times` and kept ddp: the iterations after which it started the trials again."""
     trials_module.RETRIAL_COOLDOWN = cooldown
-    trials, _, name_of = scripted_trials({"ddp": 1.0, "us_byte": 0.9}, 0.0)
-    watch = trials_module.ChoiceWatch(trials, 1.0, None)
+    trials, _, name_of = scripted_trials(dict(zip(("ddp", "us_byte"), trial_times)), 0.0)
+    verdict = trials_module.Verdict(0, True, (0.0, 0.0), (0.0, 0.0), MIN_ROUNDS)
+    result = trials_module.TrialResult(("ddp", "us_byte"), trial_times, trial_times, verdict, 10)
+    watch = trials_module.ChoiceWatch(trials, result)
     restarts = []
     for iteration, seconds in enumerate(times):
         again = watch.observe(SimpleNamespace(skipped=False, stats=SimpleNamespace(iteration_time=seconds)))
         if again is not None:
             restarts.append((iteration + 1, name_of(again.first.planner), len(again.rounds)))
-            watch = trials_module.ChoiceWatch(trials, 1.0, None)
+            watch = trials_module.ChoiceWatch(trials, result)
     return restarts
 
 
-@pytest.mark.parametrize("times, cooldown, restarts", [
-    ([1.05] * 96, 0, []),  # within RETRIAL_DRIFT of the trial time
-    ([1.05] * 32 + [1.2] * 16 + [1.0] * 16 + [1.2] * 16, 0, []),  # slower in one window, not two running
+@pytest.mark.parametrize("times, cooldown, trial_times, restarts", [
+    ([1.05] * 96, 0, (1.0, 0.9), []),  # within RETRIAL_DRIFT of the kept plan's trial time
+    ([1.05] * 32 + [1.2] * 16 + [1.0] * 16 + [1.2] * 16, 0, (1.0, 0.9), []),  # slower in one window, not two running
     # two slow windows: the trials again, from the baseline, at the iteration after the second
     # (a window's reduction over the ranks is read at the next iteration)
-    ([1.0] * 32 + [1.2] * 33, 0, [(65, "ddp", 0)]),
-    ([1.2] * 64, 48, [(49, "ddp", 0)]),  # not before the cool-down
+    ([1.0] * 32 + [1.2] * 33, 0, (1.0, 0.9), [(65, "ddp", 0)]),
+    ([1.2] * 64, 48, (1.0, 0.9), [(49, "ddp", 0)]),  # not before the cool-down
+    # every other iteration stalled: the median is 30% slower, the lower quartile is not
+    ([1.0, 1.6] * 48, 0, (1.0, 0.9), []),
+    # the other plan ran 1.3 s in the trials: the kept plan is slow once it runs slower than that
+    ([1.2] * 64, 0, (1.0, 1.3), []),
+    ([1.5] * 64, 0, (1.0, 1.3), [(33, "ddp", 0)]),
 ])
-def test_the_choice_is_checked_and_the_trials_run_again_when_the_kept_plan_slows(times, cooldown, restarts):
-    assert run_local(watched, 1, times, cooldown, timeout=120)[0] == restarts
+def test_the_choice_is_checked_and_the_trials_run_again_when_the_kept_plan_slows(times, cooldown, trial_times,
+                                                                                  restarts):
+    assert run_local(watched, 1, times, cooldown, trial_times, timeout=120)[0] == restarts
 
 
 def follow_ups_on_a_scripted_job(rank, world_size, seconds: dict, noise: float, seed: int):

@@ -25,8 +25,9 @@ noisier than the differences being ranked. So the trials are a sequential paired
    (auto switches to it) or is dropped, or `MAX_FOLLOW_UP_ROUNDS` rounds are in: that last look
    spends the other half of the error rate, so over all looks it stays within 1 − confidence.
 
-Afterwards ``ChoiceWatch`` compares the kept plan's iteration times with its trial time; when they
-stay slower by more than ``RETRIAL_DRIFT`` (the network or the host changed), the trials run again.
+Afterwards ``ChoiceWatch`` compares the kept plan's iteration times with the trial times: when they
+stay slower than the kept plan and every other plan ran in the trials, by more than ``RETRIAL_DRIFT``
+(the network or the host changed), the trials run again.
 Every decision is taken on values all-reduced over the ranks, so every rank takes it at the same
 iteration; each installation is hash-checked.
 """
@@ -59,8 +60,8 @@ FOLLOW_UP_EVERY = 64  # iterations of the kept plan before each follow-up pair o
 MAX_FOLLOW_UP_ROUNDS = 64  # rounds, the trials' own included, at which the follow-up's last look decides
 LAST_LOOK_SHARE = 0.5  # of the error rate, spent by each of the two last looks (the trials', the follow-up's)
 INTERIM_ALPHA = 0.001  # a challenger's error level at interim looks (Haybittle–Peto)
-WATCH_WINDOW = 16  # iterations per comparison of the kept plan with its trial time
-RETRIAL_DRIFT = 0.10  # the kept plan's iterations this much slower than in its trials, twice running: trials again
+WATCH_WINDOW = 16  # iterations per comparison of the kept plan with the trial times (their lower quartile)
+RETRIAL_DRIFT = 0.10  # the kept plan this much slower than every plan in its trials, twice running: trials again
 RETRIAL_COOLDOWN = 256  # iterations after the trials before the watch may start them again
 
 log = logging.getLogger("gradsync")
@@ -310,7 +311,7 @@ class PlanTrials(Measurement):
         verdict = judge(self.rounds, self.planner.confidence, self.planner.tolerance, last)
         if verdict is None and self.watch is not None and looks % 2 == 0:  # undecided: again later
             again = self.follow_up(tuple(range(1, len(self.alternatives))))
-            return TrialsDone(None, self.watch.result, self.watch.continued(self.watch.seconds, again))
+            return TrialsDone(None, self.watch.result, self.watch.continued(again))
         if verdict is None:
             return None
         installed = self.order(len(self.rounds) - 1)[-1]
@@ -321,32 +322,32 @@ class PlanTrials(Measurement):
             log.info("gradsync auto: %s%s", "follow-up rounds: " if self.watch is not None else "", result.summary())
         kept = None if verdict.kept == installed else self.alternatives[verdict.kept].planner
         follow_up = self.follow_up(verdict.undecided) if result.follow_up_due else None
-        seconds = result.seconds[verdict.kept]
         if self.watch is None:
-            return TrialsDone(kept, result, ChoiceWatch(self, seconds, result, follow_up))
-        return TrialsDone(kept, result, self.watch.continued(seconds, follow_up, result))
+            return TrialsDone(kept, result, ChoiceWatch(self, result, follow_up))
+        return TrialsDone(kept, result, self.watch.continued(follow_up, result))
 
 
 class ChoiceWatch:
     """Checks the kept plan as training goes on.
 
-    Every `WATCH_WINDOW` iterations its iteration times are compared with its time in the trials
-    (the slowest rank's window median, reduced from the iteration that closes the window and read
-    at the next: ``runtime.over_ranks``): slower by more than `RETRIAL_DRIFT` in two windows
-    running, at least `RETRIAL_COOLDOWN` iterations after the trials, starts them again. Where the
-    trials left challengers undecided, every `FOLLOW_UP_EVERY` iterations it starts the follow-up
-    rounds (step 5 of the module docstring), which hand it back when their pair of rounds is done.
+    Every `WATCH_WINDOW` iterations its iteration times are compared with the trial times (the
+    slowest rank's lower quartile of the window, reduced from the iteration that closes the window
+    and read at the next: ``runtime.over_ranks``): slower than the kept plan's median visit and the
+    fastest other plan's by more than `RETRIAL_DRIFT` (``reference``) in two windows running, at least
+    `RETRIAL_COOLDOWN` iterations after the trials, starts them again. The lower quartile moves when
+    every iteration slows, not when some stall (a pause in training, other work on the host), and
+    the kept plan is timed again only when it runs slower than any plan ran. Where the trials left
+    challengers undecided, every `FOLLOW_UP_EVERY` iterations it starts the follow-up rounds (step 5
+    of the module docstring), which hand it back when their pair of rounds is done.
 
     Args:
         trials: the trials that kept the plan (run again from the start).
-        seconds: the kept plan's median visit time in them.
         result: what they decided (the report's, until a follow-up decides).
         follow_up: the next follow-up rounds, or None.
     """
 
-    def __init__(self, trials: PlanTrials, seconds: float, result: TrialResult, follow_up: PlanTrials | None = None):
+    def __init__(self, trials: PlanTrials, result: TrialResult, follow_up: PlanTrials | None = None):
         self.trials = trials
-        self.seconds = seconds
         self.result = result
         self.follow_up = follow_up
         self.window: list[float] = []
@@ -357,19 +358,25 @@ class ChoiceWatch:
             dist.ReduceOp.MAX, channels.process_group, trials.device,
             "the check of auto's choice (every 16 iterations)", channels.timeout))
 
-    def continued(self, seconds: float, follow_up: PlanTrials | None,
-                  result: TrialResult | None = None) -> "ChoiceWatch":
+    def continued(self, follow_up: PlanTrials | None, result: TrialResult | None = None) -> "ChoiceWatch":
         """This watch after follow-up rounds, its windows started afresh.
 
         Args:
-            seconds: the kept plan's median visit time over the rounds so far.
             follow_up: the next follow-up rounds, or None.
-            result: the decision the follow-up rounds took, if any (else the report keeps the
-                earlier one).
+            result: the decision the follow-up rounds took, if any (else the report and the watch
+                keep the earlier one).
         """
-        self.seconds, self.follow_up, self.slow_windows, self.window = seconds, follow_up, 0, []
+        self.follow_up, self.slow_windows, self.window = follow_up, 0, []
         self.result = result or self.result
         return self
+
+    @property
+    def reference(self) -> float:
+        """The kept plan's median visit time in the trials or the fastest other plan's, whichever
+        is slower: a window's lower quartile past it by `RETRIAL_DRIFT` is slow."""
+        seconds, kept = self.result.seconds, self.result.verdict.kept
+        others = [time for index, time in enumerate(seconds) if index != kept]
+        return max(seconds[kept], min(others, default=0.0))
 
     def observe(self, done: IterationDone) -> PlanTrials | None:
         """After an iteration under the kept plan: the trials to run again, the follow-up rounds to
@@ -381,7 +388,7 @@ class ChoiceWatch:
         if not done.skipped:
             self.window.append(done.stats.iteration_time)
         if len(self.window) >= WATCH_WINDOW:
-            self.slowest.start([median(self.window)])
+            self.slowest.start([statistics.quantiles(self.window, n=4)[0]])
             self.window = []
         if self.follow_up is not None and self.seen % FOLLOW_UP_EVERY == 0:
             follow_up, self.follow_up = self.follow_up, None
@@ -390,15 +397,15 @@ class ChoiceWatch:
         return None
 
     def _judge_window(self) -> PlanTrials | None:
-        """The last window's slowest median against the trial time: the trials again, or None."""
+        """The last window's slowest lower quartile against ``reference``: the trials again, or None."""
         slowest = self.slowest.take()
         if slowest is None:
             return None
-        slowest, channels = slowest[0], self.trials.channels
-        self.slow_windows = self.slow_windows + 1 if slowest > self.seconds * (1 + RETRIAL_DRIFT) else 0
+        slowest, channels, reference = slowest[0], self.trials.channels, self.reference
+        self.slow_windows = self.slow_windows + 1 if slowest > reference * (1 + RETRIAL_DRIFT) else 0
         if self.slow_windows >= 2 and self.seen >= RETRIAL_COOLDOWN:
             if channels.rank == 0:
-                log.info("gradsync auto: the kept plan runs %.0f%% slower than in its trials: timing the plans again",
-                         100 * (slowest / self.seconds - 1))
+                log.info("gradsync auto: the kept plan runs %.0f%% slower than it and every other plan ran in its "
+                         "trials: timing the plans again", 100 * (slowest / reference - 1))
             return self.trials.again()
         return None
