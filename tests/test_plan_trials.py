@@ -21,7 +21,7 @@ from gradsync.runtime import installed as installed_module
 from gradsync.runtime.measure import Install, TrialsDone
 from gradsync.runtime.measure import trials as trials_module
 from gradsync.runtime.measure.trials import (FOLLOW_UP_EVERY, MAX_FOLLOW_UP_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, PlanTrials,
-                                             judge)
+                                             judge, steady_rounds)
 from runtime_models import TiedNet, batch
 
 CONFIDENCE, TOLERANCE = 0.95, 0.02
@@ -115,6 +115,25 @@ def test_judge_waits_for_three_rounds_then_stops_on_clear_evidence():
     assert judge(noisy, CONFIDENCE, TOLERANCE, last=False) is None
     ended = judge(noisy, CONFIDENCE, TOLERANCE, last=True)
     assert ended.kept == 0 and not ended.settled
+
+
+def test_a_burst_of_host_load_is_set_aside_once_the_pairs_around_it_outnumber_it():
+    rng = random.Random(5)
+    usual = [[1.0 * math.exp(rng.gauss(0, 0.02)), 0.97 * math.exp(rng.gauss(0, 0.02))] for _ in range(12)]
+    burst = [[12.7, 3.7], [4.1, 10.9]]  # a pair of rounds 4-13x slower, its ratios far apart
+    alone = judge(usual, CONFIDENCE, TOLERANCE, last=True)
+    with_burst = judge(burst + usual, CONFIDENCE, TOLERANCE, last=True)
+    assert with_burst.set_aside == 2 and alone.set_aside == 0 and with_burst.rounds == 14
+    assert (with_burst.kept, with_burst.gains, with_burst.margins) == (alone.kept, alone.gains, alone.margins)
+    assert alone.kept == 1  # 3% faster is found on the steady rounds
+    # while the burst is most of the rounds, it is the host's usual speed: nothing is set aside
+    assert judge(burst + usual[:2], CONFIDENCE, TOLERANCE, last=True).set_aside == 0
+    assert steady_rounds(burst + usual) == usual
+    # a host slowing by less than HOST_BURST keeps every round
+    assert steady_rounds([[visit * (1 + 0.05 * i) for visit in visits] for i, visits in enumerate(usual)]) == [
+        [visit * (1 + 0.05 * i) for visit in visits] for i, visits in enumerate(usual)]
+    summary = trials_module.TrialResult(("ddp", "mg_wfbp"), (1.0, 0.97), (1.0, 0.98), with_burst, 200).summary()
+    assert "(14 rounds, 2 set aside as bursts of host load, 200 iterations;" in summary
 
 
 def scripted_trials(seconds: dict, drift: float, confidence: float = CONFIDENCE):

@@ -11,7 +11,9 @@ noisier than the differences being ranked. So the trials are a sequential paired
    alike; a visit's time is the median of its iterations, the slowest rank's;
 2. after each pair of rounds (forth and back: a steady drift cancels), each challenger's gain over
    the baseline is the mean over rounds of log(baseline's visit / challenger's visit) (paired within
-   a round), with a one-sided Student-t bound (``judge``);
+   a round), with a one-sided Student-t bound (``judge``); a pair of rounds whose visits ran over
+   `HOST_BURST` times the median pair's (``steady_rounds``) is set aside: a burst of load on the
+   host slows every plan, and its rounds' ratios, far apart, would swamp every later look;
 3. a challenger wins when its lower bound is above 0: at interim looks at level 1 − 0.001, at the
    last look (the time budget, `trial_seconds`, spent at the end of a pair of rounds, or
    `MAX_ROUNDS` run) at half the stated error rate, each divided among the challengers
@@ -60,6 +62,7 @@ FOLLOW_UP_EVERY = 64  # iterations of the kept plan before each follow-up pair o
 MAX_FOLLOW_UP_ROUNDS = 64  # rounds, the trials' own included, at which the follow-up's last look decides
 LAST_LOOK_SHARE = 0.5  # of the error rate, spent by each of the two last looks (the trials', the follow-up's)
 INTERIM_ALPHA = 0.001  # a challenger's error level at interim looks (Haybittle–Peto)
+HOST_BURST = 2.0  # a pair of rounds this many times slower than the median pair is set aside
 WATCH_WINDOW = 16  # iterations per comparison of the kept plan with the trial times (their lower quartile)
 RETRIAL_DRIFT = 0.10  # the kept plan this much slower than every plan in its trials, twice running: trials again
 RETRIAL_COOLDOWN = 256  # iterations after the trials before the watch may start them again
@@ -78,6 +81,7 @@ class Verdict:
         margins: the half-widths of those estimates at the stated confidence.
         rounds: the rounds the trials ran.
         undecided: the challengers that neither won nor were dropped (empty where settled).
+        set_aside: the rounds left out as bursts of host load (``steady_rounds``).
     """
 
     kept: int
@@ -86,6 +90,18 @@ class Verdict:
     margins: tuple[float, ...]
     rounds: int
     undecided: tuple[int, ...] = ()
+    set_aside: int = 0
+
+
+def steady_rounds(rounds: list[list[float]]) -> list[list[float]]:
+    """The rounds judged (step 2 of the module docstring): those of each pair (forth, back; a last
+    round alone) whose level, the median of its visits, is at most `HOST_BURST` times the median
+    pair's level. The median stands for the host's usual speed while most pairs ran at it: a burst
+    is set aside once the pairs around it outnumber it."""
+    pairs = [rounds[start:start + 2] for start in range(0, len(rounds), 2)]
+    levels = [statistics.median(visit for visits in pair for visit in visits) for pair in pairs]
+    usual = statistics.median(levels)
+    return [visits for pair, level in zip(pairs, levels) if level <= HOST_BURST * usual for visits in pair]
 
 
 def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: bool) -> Verdict | None:
@@ -104,18 +120,20 @@ def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: 
         return Verdict(0, True, (0.0,), (0.0,), looks)
     if (looks < MIN_ROUNDS or looks % 2) and not last:
         return None
-    if looks < 2:  # no spread to judge by: the baseline
-        return Verdict(0, False, (0.0,) * count, (math.inf,) * count, looks, tuple(range(1, count)))
+    steady = steady_rounds(rounds)
+    set_aside, judged = looks - len(steady), len(steady)
+    if judged < 2:  # no spread to judge by: the baseline
+        return Verdict(0, False, (0.0,) * count, (math.inf,) * count, looks, tuple(range(1, count)), set_aside)
     challengers = count - 1
     winning = 1 - ((1 - confidence) * LAST_LOOK_SHARE if last else INTERIM_ALPHA) / challengers
-    win_quantile = student_t.ppf(winning, looks - 1)
-    quantile = student_t.ppf(confidence, looks - 1)
+    win_quantile = student_t.ppf(winning, judged - 1)
+    quantile = student_t.ppf(confidence, judged - 1)
     worth = -math.log(1 - tolerance)  # the log-gain of a plan faster by `tolerance`
     gains, margins, winners, undecided = [0.0], [0.0], [], []
     for index in range(1, count):
-        logs = [math.log(visits[0] / visits[index]) for visits in rounds]
+        logs = [math.log(visits[0] / visits[index]) for visits in steady]
         mean = statistics.fmean(logs)
-        error = statistics.stdev(logs) / math.sqrt(looks)
+        error = statistics.stdev(logs) / math.sqrt(judged)
         gains.append(math.expm1(mean))
         margins.append(math.expm1(mean + quantile * error) - math.expm1(mean))
         if mean - win_quantile * error > 0:
@@ -125,7 +143,7 @@ def judge(rounds: list[list[float]], confidence: float, tolerance: float, last: 
     if undecided and not last:
         return None
     kept = max(winners, key=lambda index: gains[index], default=0)
-    return Verdict(kept, not undecided, tuple(gains), tuple(margins), looks, tuple(undecided))
+    return Verdict(kept, not undecided, tuple(gains), tuple(margins), looks, tuple(undecided), set_aside)
 
 
 @dataclass(frozen=True)
@@ -161,7 +179,8 @@ class TrialResult:
         verdict, baseline = self.verdict, self.labels[0]
         compared = ", ".join(f"{label} {gain:+.1%} ± {margin:.1%}" for label, gain, margin
                              in zip(self.labels[1:], verdict.gains[1:], verdict.margins[1:]))
-        taken = f"{verdict.rounds} rounds, {self.iterations} iterations"
+        aside = f", {verdict.set_aside} set aside as bursts of host load" if verdict.set_aside else ""
+        taken = f"{verdict.rounds} rounds{aside}, {self.iterations} iterations"
         if verdict.kept:
             why = f"faster than {baseline} with confidence"
         elif verdict.settled:
