@@ -321,7 +321,7 @@ class Variant:
         on this row alone; the steps it took are `settled_after`, and `following` says whether
         follow-up rounds are still to come."""
         steps = 0
-        while self.gradsync and attached(self.model).measurement is not None:
+        while self.measuring():
             if steps == CALIBRATION_LIMIT:
                 raise RuntimeError(f"row {self.label!r} still calibrating after {CALIBRATION_LIMIT} steps")
             self.timed_step(inputs, labels)
