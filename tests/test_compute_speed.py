@@ -23,14 +23,17 @@ def test_the_scale_moves_by_the_windows_median_ratio_beyond_the_tolerance():
     # the first window beyond the tolerance: the scale waits for a second one on the same side
     assert [speed.observe(measured, 1.0) for measured in (7.0, 2.0, 1.9)] == [False, False, False]
     assert speed.observe(1.0, 1.0) and speed.scale == 2.0  # the median: one disturbed iteration does not count
-    assert speed.ratios == []  # that iteration was predicted at the old scale: left out
+    assert speed.ratios == []  # that iteration was predicted at the old scale: left out...
+    speed.observe(2.2, 2.0)
+    assert speed.observe(2.0, 2.0) is False and speed.ratios == []  # ...of the ratios, not of the window's iterations
     # predictions made with the new scale: measured/predicted ratios near 1 keep it
     assert not any(speed.observe(measured, 2.0) for measured in (2.08, 2.0, 2.1, 2.0, 2.02, 1.98, 2.0))
     assert speed.scale == 2.0
     assert not speed.rescale(0.5) and speed.rescale(0.5) and speed.scale == 1.0
     # a prediction of nothing counts as on time
+    speed = ComputeSpeed(window=3, tolerance=0.05)
     speed.observe(0.3, 0.0)
-    assert speed.ratios[-1] == 1.0
+    assert speed.ratios == [1.0]
 
 
 def test_a_ratio_that_moves_to_and_fro_keeps_the_scale():

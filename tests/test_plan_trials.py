@@ -19,9 +19,11 @@ from gradsync.profile import zoo
 from gradsync.runtime import attached
 from gradsync.runtime import installed as installed_module
 from gradsync.runtime.measure import Install, TrialsDone
+from gradsync.runtime.measure import cost_watch as cost_watch_module
 from gradsync.runtime.measure import trials as trials_module
 from gradsync.runtime.measure.trials import (FOLLOW_UP_EVERY, MAX_FOLLOW_UP_ROUNDS, MAX_ROUNDS, MIN_ROUNDS, PlanTrials,
                                              judge, steady_rounds)
+from gradsync.runtime.over_ranks import on_this_rank
 from runtime_models import TiedNet, batch
 
 CONFIDENCE, TOLERANCE = 0.95, 0.02
@@ -144,7 +146,7 @@ def scripted_trials(seconds: dict, drift: float, confidence: float = CONFIDENCE)
     auto = planners.bind("auto", confidence=confidence, trial_seconds=1000.0)
     alternatives = [Alternative(auto.with_options(candidates=(name,)), name, seconds[name]) for name in seconds]
     channels = SimpleNamespace(process_group=None, timeout=60.0, rank=0)
-    trials = PlanTrials(None, alternatives, 2, auto, channels, torch.device("cpu"))
+    trials = PlanTrials(None, alternatives, 2, auto, channels, torch.device("cpu"), on_this_rank)
 
     def name_of(planner):
         return next(alternative.label for alternative in alternatives if alternative.planner == planner)
@@ -256,7 +258,7 @@ def test_without_a_candidate_worth_timing_auto_keeps_its_plan_and_says_why(caplo
                    profile, HIGH_LATENCY, auto, codec)[1]
     caplog.set_level(logging.INFO, logger="gradsync")
     channels = SimpleNamespace(process_group=None, timeout=60.0, rank=0)
-    assert PlanTrials.start(profile, HIGH_LATENCY, codec, auto, 4, channels, torch.device("cpu")) is None
+    assert PlanTrials.start(profile, HIGH_LATENCY, codec, auto, 4, channels, torch.device("cpu"), on_this_rank) is None
     assert caplog.messages == ["gradsync auto: kept ddp without plan trials: no other candidate makes other plans "
                                f"predicted within {TRIAL_PREDICTION_LIMIT:g}x its time"]
 
@@ -498,6 +500,48 @@ def test_follow_up_rounds_in_training_switch_every_rank_at_once_and_train_like_d
         # the heap's free pages go back after the wrap-time plan and the calibration, then not
         # until the choice settled: no hand-back among the installations of the trials and follow-ups
         assert result["installs"] > 4 and result["releases"] == [1, 1, result["installs"]]
+
+
+def watchers_after_trials(rank, world_size, iterations: int):
+    """auto's trials keep DDP's buckets at their first look (scripted), then the compute speed, the
+    cost watch and auto's choice watch run for `iterations`: how many values each of their
+    all-reduces over the ranks carried, in order. The cost watch never re-plans (a tiny model's
+    communication on a busy host drifts past any threshold)."""
+    def decided(rounds, confidence, tolerance, last):
+        count = len(rounds[0])
+        return None if len(rounds) < MIN_ROUNDS else trials_module.Verdict(0, True, (0.0,) * count, (0.0,) * count,
+                                                                            len(rounds))
+    trials_module.judge, cost_watch_module.DRIFT = decided, math.inf
+    torch.manual_seed(3)
+    model = TiedNet()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05), scheduler="auto",
+                                     candidates=("wfbp", "ddp", "us_byte"), plan_trials=3,
+                                     cost=CostModel(1e-6, 1e-10), warmup_iterations=1, measure_iterations=2)
+    installed = attached(model).installed
+    carried, start = [], installed.reductions.start_reduction
+
+    def counted(values):
+        carried.append(len(values))
+        return start(values)
+    installed.reductions.start_reduction = counted
+    steps = 0
+    while installed.following_up or installed.watch is None:
+        train_side_by_side(rank, 1, ((model, optimizer),))
+        steps += 1
+        assert steps < 300, "the trials never ended"
+    carried.clear()
+    train_side_by_side(rank, iterations, ((model, optimizer),))
+    assert installed.watch is not None and not installed.replans  # no other decision meanwhile
+    attached(model).detach()
+    return carried
+
+
+def test_the_watchers_windows_close_together_and_travel_in_one_all_reduce():
+    # after the trials' last iteration one settles, then the compute speed (1 value) and the cost
+    # watch (1 layout and the iteration: 2 values) close a window every 8 iterations, the choice
+    # watch (1 value) every 16: one all-reduce per 8 iterations, where there were 5 per 16
+    carried = run_local(watchers_after_trials, 2, 1 + 48, timeout=300)
+    assert carried[0] == carried[1] == [3, 4, 3, 4, 3, 4]
 
 
 def test_the_summary_says_when_follow_ups_come_and_when_they_ended_undecided():

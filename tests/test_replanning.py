@@ -21,7 +21,7 @@ A, B = 1e-4, 1e-9
 SIZES = (4_000, 40_000, 400_000)  # the ops of an iteration, bytes
 LAYOUTS = [("plain", sum(SIZES))]
 CONTENTION = 1.7  # the computation beside the ops slows them by this factor
-SETTLED = 1 + REFERENCE_WINDOWS * WINDOW  # iterations after an installation before the first comparison
+SETTLED = REFERENCE_WINDOWS * WINDOW  # iterations a watch times before its first comparison
 
 
 def busy(extra_b: float = 0.0, contention: float = CONTENTION, extra: float = 0.0):
@@ -44,7 +44,7 @@ def reduced_by(combine):
 
 
 def watch_over(iterations, combine=lambda values: values, cost=CostModel(A, B), times=iteration_time, watch=None):
-    """CostWatch (or `watch`) over `iterations` (the first one settles), the plans made on `cost`:
+    """CostWatch (or `watch`) over `iterations`, the plans made on `cost`:
     [(iteration, re-fitted cost)]."""
     watch = watch or CostWatch(cost, "allreduce", LAYOUTS, reduced_by(combine))
     return [(index, cost) for index, measured in enumerate(iterations)
@@ -105,10 +105,10 @@ def test_a_faster_link_is_refitted_too_and_the_least_time_over_the_ranks_decides
 
 def test_a_burst_of_load_while_the_reference_is_timed_is_left_out_of_it():
     burst = busy(contention=3 * CONTENTION)  # the host's load triples the ops' time for one window
-    after_burst = [busy()] + [burst] * WINDOW + [busy()] * (6 * WINDOW)
+    after_burst = [burst] * WINDOW + [busy()] * (6 * WINDOW)
     assert watch_over(after_burst) == []  # one reference over both windows would make the rest "faster"
     # the reference waits for two windows that agree; a link slowing after it is whole is still found
-    whole = 1 + (REFERENCE_WINDOWS + 1) * WINDOW
+    whole = (REFERENCE_WINDOWS + 1) * WINDOW
     slower = after_burst[:whole + WINDOW] + [busy(extra_b=3 * B)] * (4 * WINDOW)
     iteration, cost = watch_over(slower)[0]
     assert iteration == whole + WINDOW + PERSIST * WINDOW
@@ -119,17 +119,17 @@ def test_windows_that_never_agree_give_the_median_over_the_most_windows_as_refer
     steady, heavy = busy()[0][1], busy(contention=2 * CONTENTION)[0][1]
     assert heavy > AGREE * steady  # the two do not agree
     watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, reduced_by(lambda values: values))
-    alternating = [busy()] + ([busy()] * WINDOW + [busy(contention=2 * CONTENTION)] * WINDOW) * MAX_REFERENCE_WINDOWS
-    assert watch_over(alternating[:MAX_REFERENCE_WINDOWS * WINDOW + 1], watch=watch) == []
+    alternating = ([busy()] * WINDOW + [busy(contention=2 * CONTENTION)] * WINDOW) * MAX_REFERENCE_WINDOWS
+    assert watch_over(alternating[:MAX_REFERENCE_WINDOWS * WINDOW], watch=watch) == []
     assert watch.reference is None  # the last window's times are read at the next iteration
-    watch_over(alternating[MAX_REFERENCE_WINDOWS * WINDOW + 1:][:1], watch=watch)
+    watch_over(alternating[MAX_REFERENCE_WINDOWS * WINDOW:][:1], watch=watch)
     assert watch.reference == [pytest.approx(steady)]  # 3 steady windows of 5
     # two windows agree at once when within AGREE of each other (beside iterations of the
     # communication alone), or apart by less than SIGNIFICANT of an iteration (here 4x slower)
     for extra, times in ((steady * (AGREE - 1) * 0.9, lambda measured: measured[0][1]),
                          (steady * 3, lambda measured: 100 * steady)):
         watch = CostWatch(CostModel(A, B), "allreduce", LAYOUTS, reduced_by(lambda values: values))
-        watch_over([busy()] * (1 + WINDOW) + [busy(extra=extra)] * WINDOW + [busy()], watch=watch, times=times)
+        watch_over([busy()] * WINDOW + [busy(extra=extra)] * WINDOW + [busy()], watch=watch, times=times)
         assert watch.reference == [pytest.approx(steady + extra / 2)]
 
 

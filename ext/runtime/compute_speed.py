@@ -21,7 +21,7 @@ import statistics
 from ..errors import ConfigError
 from .over_ranks import PendingReduction, StartReduction, on_this_rank
 
-WINDOW = 8  # iterations per comparison: one small all-reduce each, read at the next iteration
+WINDOW = 8  # iterations per comparison, reduced with the other watchers' and read at the next iteration
 TOLERANCE = 0.03  # a smaller change of speed keeps the current scale
 PERSIST = 2  # ...as does a larger one in fewer windows running, on the same side
 SCALE_STEP = 0.02  # scales within a step of each other (relative) share their predictions (`bin`)
@@ -34,8 +34,9 @@ class ComputeSpeed:
         window: iterations per comparison.
         tolerance: a smaller change of speed keeps the scale.
         persist: windows running beyond the tolerance on the same side before the scale moves.
-        start: starts the reduction of a window's ratio to the largest over the ranks
-            (``over_ranks.reduction_over_ranks`` with MAX; the default: one rank alone).
+        start: starts the reduction of a window's ratio to the largest over the ranks (a MAX
+            reduction of the installed plans' ``over_ranks.CombinedReductions``; the default: one
+            rank alone).
     """
 
     def __init__(self, window: int = WINDOW, tolerance: float = TOLERANCE, start: StartReduction = on_this_rank,
@@ -52,21 +53,26 @@ class ComputeSpeed:
         self.drifting = 0  # windows running beyond the tolerance: > 0 slower than predicted, < 0 faster
         self.scale = 1.0
         self.ratios: list[float] = []
+        self.counted = 0  # iterations in the window under way
         self.slowest = PendingReduction(start)
 
     def observe(self, measured_busy: float, predicted_busy: float) -> bool:
         """Record one iteration (predicted with the current scale); True when the scale changed
         (`rescale`) by the last full window's median ratio, the largest over the ranks (reduced from
         the iteration that closed the window, read at this one). This iteration, predicted at the
-        scale that changed, is then left out of the next window."""
+        scale that changed, is then left out of the window's ratios; the window still closes after
+        `window` iterations, with the other watchers' (``over_ranks.CombinedReductions``)."""
         slowest = self.slowest.take()
-        if slowest is not None and self.rescale(slowest[0]):
-            return True
-        self.ratios.append(measured_busy / predicted_busy if predicted_busy > 0 else 1.0)
-        if len(self.ratios) >= self.window:
-            self.slowest.start([statistics.median(self.ratios)])
+        rescaled = slowest is not None and self.rescale(slowest[0])
+        if not rescaled:
+            self.ratios.append(measured_busy / predicted_busy if predicted_busy > 0 else 1.0)
+        self.counted += 1
+        if self.counted >= self.window:
+            if self.ratios:  # else (a window of one, rescaled) every rank starts nothing alike
+                self.slowest.start([statistics.median(self.ratios)])
             self.ratios.clear()
-        return False
+            self.counted = 0
+        return rescaled
 
     def bin(self) -> int:
         """The scale's step on a geometric grid of `SCALE_STEP`: the cache key of the predictions made

@@ -26,7 +26,7 @@ from .compute_speed import ComputeSpeed
 from .executor import PlanExecutor
 from .host_memory import release_freed_host_memory
 from .op_buffers import SharedOpBuffers
-from .over_ranks import StartReduction, reduction_over_ranks
+from .over_ranks import CombinedReductions, reduction_over_ranks
 from .parameter_table import ParameterTable
 from .partition import Partition
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
@@ -36,6 +36,7 @@ from .report import LayoutReport
 
 log = logging.getLogger("gradsync")
 PREDICTIONS_KEPT = 64  # cached predictions (rounds and speed bins) before the cache starts again
+CHECKS = "the runtime's checks over the ranks (the computation's speed, the communication's time, auto's choice)"
 
 
 class InstalledPlans:
@@ -70,7 +71,11 @@ class InstalledPlans:
         self.profile: ModelProfile | None = None
         self.cost: CostModel | None = None
         self.predictions: dict[tuple[tuple[str, ...], int], StepPrediction] = {}  # by rounds and speed bin
+        # the watchers' windows close together: one all-reduce carries them (``over_ranks.CombinedReductions``)
+        self.reductions = CombinedReductions(reduction_over_ranks(dist.ReduceOp.MAX, channels.process_group,
+                                                                  table.device, CHECKS, channels.timeout))
         self.speed = self._compute_speed()
+        self.settling = True  # the first iteration under plans just installed or kept: the switch, no sample
         self.measurement: Measurement | None = None
         self.rank_profiles: tuple[ModelProfile, ...] = ()  # each rank's measured profile (`profile` combines them)
         self.trials: TrialResult | None = None  # what auto's latest trials timed and kept (PlanTrials)
@@ -99,7 +104,7 @@ class InstalledPlans:
                                     "give every rank the same model, profile, cost and options",
                                     self.channels.process_group)
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
-        self.predictions, self.speed = {}, self._compute_speed()
+        self.predictions, self.speed, self.settling = {}, self._compute_speed(), True
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
                                                self.nonfinite, self.trace, self.partition, self.shared_buffers)
                           for layout, plan in plans.items()}
@@ -109,8 +114,7 @@ class InstalledPlans:
             for executor in self.executors.values():
                 executor.time_ops()
             layouts = [(layout, executor.wire_bytes()) for layout, executor in self.executors.items()]
-            self.cost_watch = CostWatch(cost, self.collective, layouts, self._over_ranks(
-                dist.ReduceOp.MIN, "the cost watch's comparison of the communication's time (every 8 iterations)"))
+            self.cost_watch = CostWatch(cost, self.collective, layouts, self.reductions.starting(dist.ReduceOp.MIN))
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to
@@ -141,11 +145,23 @@ class InstalledPlans:
     def iteration_done(self, done: IterationDone, predicted_busy: float) -> None:
         """After a synchronised iteration: the measurement in progress goes on; else the predictions
         follow the computation's speed, the communication is compared with its reference (a change
-        of the network re-plans) and auto's choice is checked."""
+        of the network re-plans) and auto's choice is checked. The first iteration under plans just
+        installed, or just kept by the trials, is no watcher's sample (it runs the switch): every
+        watcher starts there, and their windows close together. The reductions of the windows that
+        closed now are sent at the end, in one all-reduce."""
+        try:
+            self._observe(done, predicted_busy)
+        finally:
+            self.reductions.send()
+
+    def _observe(self, done: IterationDone, predicted_busy: float) -> None:
         busy = [(layout, seconds) for layout, executor in self.executors.items()
                 for seconds in executor.take_busy_times()]
         if self.measurement is not None:
             self._carry_out(self.measurement.iteration_done(done))
+            return
+        if self.settling:
+            self.settling = False
             return
         self.speed.observe(done.stats.busy_time, predicted_busy)
         if self.cost_watch is not None:
@@ -172,6 +188,7 @@ class InstalledPlans:
             if request.planner is not None:
                 self.install(self.profile, self.cost, request.planner)
             self.trials, self.watch, self.measurement = request.result, request.watch, None
+            self.settling = True
             if not self.following_up:
                 self._release_host_memory()  # what the plans timed freed
 
@@ -182,7 +199,8 @@ class InstalledPlans:
         choice alone against the incumbent's plans on the new cost, so that a run that is fast
         already is not slowed by timing plans that are not."""
         self.measurement = PlanTrials.start(profile, self.cost, self.codec, self.planner, self.plan_trials,
-                                            self.channels, self.table.device, self.collective, incumbent)
+                                            self.channels, self.table.device,
+                                            self.reductions.starting(dist.ReduceOp.MAX), self.collective, incumbent)
         self._carry_out(self.measurement.first if self.measurement is not None else Install(profile))
 
     def _plan_again(self, cost: CostModel, iteration: int) -> None:
@@ -207,11 +225,7 @@ class InstalledPlans:
         if self.table.device.type == "cpu":
             release_freed_host_memory()
 
-    def _over_ranks(self, op, what: str) -> StartReduction:
-        """Reductions of a watcher's numbers over the ranks (``runtime.over_ranks``), named `what`."""
-        return reduction_over_ranks(op, self.channels.process_group, self.table.device, what, self.channels.timeout)
-
     def _compute_speed(self) -> ComputeSpeed:
         """Rescales the predictions to the slowest rank's measured speed (every rank reaches the
         same iterations)."""
-        return ComputeSpeed(start=self._over_ranks(dist.ReduceOp.MAX, "the compute-speed check (every 8 iterations)"))
+        return ComputeSpeed(start=self.reductions.starting(dist.ReduceOp.MAX))

@@ -6,8 +6,9 @@ model re-fitted from those times when the network changes.
    the link or queue behind one another count once, so a link's rate shows in it whatever the
    plan's concurrency. It includes any wait for the last rank to launch an op; on that rank it is
    the transfers alone, so a window's time is the minimum over the ranks of its median over
-   `WINDOW` iterations (one all-reduce per window, started by every rank at the same iteration,
-   samples or none, and read at the next: ``runtime.over_ranks``), per wire layout (a codec's
+   `WINDOW` iterations (one all-reduce per window with the other watchers', started by every rank
+   at the same iteration, samples or none, and read at the next: ``runtime.over_ranks``), per wire
+   layout (a codec's
    layouts send different bytes).
 2. A plan sends the same bytes every iteration, so it is compared with itself: after each
    installation (and one iteration to settle), the first `REFERENCE_WINDOWS` windows running that
@@ -39,7 +40,7 @@ from typing import Hashable, Sequence
 from ...cost import CostModel
 from ..over_ranks import PendingReduction, StartReduction
 
-WINDOW = 8  # iterations per comparison: one small all-reduce each, read at the next iteration
+WINDOW = 8  # iterations per comparison, reduced with the other watchers' and read at the next iteration
 DRIFT = 1.5  # the communication this many times slower (or faster) than its reference...
 SIGNIFICANT = 0.10  # ...by at least this fraction of the iteration time...
 PERSIST = 2  # ...in this many windows running: the cost is re-fitted
@@ -90,8 +91,9 @@ class CostWatch:
         collective: their ops' collective (whose b of `cost` the change is added to).
         layouts: each wire layout of the installed plans with the bytes its ops send, in the same
             order on every rank.
-        start: starts the reduction of a list of numbers to the least of each over the ranks
-            (``over_ranks.reduction_over_ranks`` with MIN; ``over_ranks.on_this_rank`` alone).
+        start: starts the reduction of a list of numbers to the least of each over the ranks (a
+            MIN reduction of the installed plans' ``over_ranks.CombinedReductions``;
+            ``over_ranks.on_this_rank`` alone).
     """
 
     def __init__(self, cost: CostModel, collective: str, layouts: list[tuple[Hashable, int]],
@@ -100,7 +102,6 @@ class CostWatch:
         self.b = cost.terms(collective)[1]
         self.layouts = layouts
         self.least = PendingReduction(start)
-        self.settling = True  # the first iteration after an installation
         self.times: dict[Hashable, list[float]] = {}  # each layout's busy times in the window under way
         self.iteration_times: list[float] = []
         self.reference: list[float] | None = None  # each layout's reference time (inf: never timed)
@@ -117,9 +118,6 @@ class CostWatch:
             busy: the (layout, busy seconds) of the iterations timed since the last call.
             iteration_time: the iteration's time, seconds.
         """
-        if self.settling:
-            self.settling = False
-            return None
         refitted = self._window_over_ranks()
         for layout, seconds in busy:
             self.times.setdefault(layout, []).append(seconds)

@@ -52,7 +52,7 @@ from ...plan import ALLREDUCE
 from ...planning import TRIAL_PREDICTION_LIMIT, Alternative, plan_alternatives
 from ...profile import ModelProfile
 from ..channels import Channels
-from ..over_ranks import PendingReduction, reduction_over_ranks
+from ..over_ranks import PendingReduction, StartReduction
 from . import Install, IterationDone, Measurement, TrialsDone, median, now
 
 TRIAL_ITERATIONS = 2  # timed per visit of a plan, after one to settle; rounded up to whole codec cycles
@@ -207,13 +207,15 @@ class PlanTrials(Measurement):
         planner: the wrapped scheduler (its `confidence`, `tolerance` and `trial_seconds`).
         channels: for the all-reduce of the ranks' visit times.
         device: the model's device (timing waits for its queued work).
+        watch_reduction: starts the reduction of the choice watch's windows to the largest over the
+            ranks (the installed plans' ``over_ranks.CombinedReductions``).
         follow_up_of: the trials (or the follow-up) whose undecided challengers these follow-up
             rounds time again (step 5 of the module docstring): their rounds, restricted to
             `alternatives`, come first; None for the trials themselves.
     """
 
     def __init__(self, profile: ModelProfile, alternatives: list[Alternative], iterations: int,
-                 planner: BoundPlanner, channels: Channels, device: torch.device,
+                 planner: BoundPlanner, channels: Channels, device: torch.device, watch_reduction: StartReduction,
                  follow_up_of: "PlanTrials | None" = None):
         self.profile = profile
         self.alternatives = alternatives
@@ -221,6 +223,7 @@ class PlanTrials(Measurement):
         self.planner = planner
         self.channels = channels
         self.device = device
+        self.watch_reduction = watch_reduction
         self.rounds: list[list[float]] = []  # the slowest rank's visit times, per round
         self.watch: ChoiceWatch | None = None  # a follow-up's: the watch that started it, continued after
         if follow_up_of is not None:
@@ -237,8 +240,8 @@ class PlanTrials(Measurement):
 
     @classmethod
     def start(cls, profile: ModelProfile, cost: CostModel, codec: Codec, planner: BoundPlanner, count: int,
-              channels: Channels, device: torch.device, collective: str = ALLREDUCE,
-              incumbent: BoundPlanner | None = None) -> "PlanTrials | None":
+              channels: Channels, device: torch.device, watch_reduction: StartReduction,
+              collective: str = ALLREDUCE, incumbent: BoundPlanner | None = None) -> "PlanTrials | None":
         """Trials of up to `count` plans of `planner` (install ``first`` now); None when there is
         nothing to compare (a planner that does not choose, `count` < 2, or every candidate makes
         the same plans).
@@ -248,7 +251,7 @@ class PlanTrials(Measurement):
             codec: the compressor, set up (visits last whole cycles of its steady rounds).
             planner: the wrapped scheduler, bound.
             count: ``wrap``'s `plan_trials`.
-            channels, device: as the constructor's.
+            channels, device, watch_reduction: as the constructor's.
             collective: the plans' ops' (``planning.plan_layouts``).
             incumbent: the planner whose plans run now, the baseline in place of torch DDP's
                 buckets (``planning.plan_alternatives``).
@@ -262,17 +265,19 @@ class PlanTrials(Measurement):
                          "within %gx its time", alternatives[0].label, TRIAL_PREDICTION_LIMIT)
             return None
         cycle = len(codec.steady_rounds())  # whole cycles (ACP-SGD: a P step and a Q step)
-        return cls(profile, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle), planner, channels, device)
+        return cls(profile, alternatives, cycle * math.ceil(TRIAL_ITERATIONS / cycle), planner, channels, device,
+                   watch_reduction)
 
     def again(self) -> "PlanTrials":
         """The same trials from the start."""
-        return PlanTrials(self.profile, self.alternatives, self.iterations, self.planner, self.channels, self.device)
+        return PlanTrials(self.profile, self.alternatives, self.iterations, self.planner, self.channels, self.device,
+                          self.watch_reduction)
 
     def follow_up(self, undecided: tuple[int, ...]) -> "PlanTrials":
         """One more pair of rounds of the baseline and the challengers `undecided` (indices)."""
         alternatives = [self.alternatives[index] for index in (0, *undecided)]
         return PlanTrials(self.profile, alternatives, self.iterations, self.planner, self.channels, self.device,
-                          follow_up_of=self)
+                          self.watch_reduction, follow_up_of=self)
 
     def handed_over(self, watch: "ChoiceWatch") -> None:
         """A follow-up starts now, from `watch` (made at an earlier decision, its clock starts
@@ -372,10 +377,7 @@ class ChoiceWatch:
         self.window: list[float] = []
         self.seen = 0
         self.slow_windows = 0
-        channels = trials.channels
-        self.slowest = PendingReduction(reduction_over_ranks(
-            dist.ReduceOp.MAX, channels.process_group, trials.device,
-            "the check of auto's choice (every 16 iterations)", channels.timeout))
+        self.slowest = PendingReduction(trials.watch_reduction)
 
     def continued(self, follow_up: PlanTrials | None, result: TrialResult | None = None) -> "ChoiceWatch":
         """This watch after follow-up rounds, its windows started afresh.
