@@ -8,8 +8,7 @@ model re-fitted from those times when the network changes.
    the transfers alone, so a window's time is the minimum over the ranks of its median over
    `WINDOW` iterations (one all-reduce per window with the other watchers', started by every rank
    at the same iteration, samples or none, and read at the next: ``runtime.over_ranks``), per wire
-   layout (a codec's
-   layouts send different bytes).
+   layout (a codec's layouts send different bytes).
 2. A plan sends the same bytes every iteration, so it is compared with itself: after each
    installation (and one iteration to settle), the first `REFERENCE_WINDOWS` windows running that
    agree (their summed times within `AGREE` of each other, or apart by less than `SIGNIFICANT` of
