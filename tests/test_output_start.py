@@ -22,9 +22,9 @@ class Chain(nn.Module):
     """Three small layers; the middle one optionally inside a reentrant checkpoint, whose
     parameters the outer backward pass's graph does not hold. Returns a dict, as many models do."""
 
-    def __init__(self):
+    def __init__(self, hidden: int = 16):
         super().__init__()
-        self.first, self.middle, self.last = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.first, self.middle, self.last = nn.Linear(8, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, 4)
 
     def forward(self, inputs, checkpointed: bool = False):
         hidden = torch.tanh(self.first(inputs))
@@ -48,7 +48,7 @@ def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Te
     def through_outputs(checkpointed=False):
         return F.cross_entropy(network(inputs, checkpointed)["logits"], targets)
 
-    bypassing = network.first.weight.square().sum  # the parameters alone: no output of the model's forward
+    bypassing = network.middle.weight.square().sum  # the parameters alone: no output of the model's forward
     return {"plain": lambda: [through_outputs()], "checkpointed": lambda: [through_outputs(True)],
             "no_sync": lambda: [through_outputs(), through_outputs()],
             "bypass_after": lambda: [through_outputs(), bypassing()], "bypass_alone": lambda: [bypassing()],
@@ -56,18 +56,19 @@ def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Te
 
 
 def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], read_before_step: bool = False,
-                                  device: str = "cpu"):
+                                  device: str = "cpu", scheduler: str = "ddp", hidden: int = 16):
     """Per step: whether the iteration was to begin at the outputs, the error it raised (None), and
     the largest difference from a copy whose gradients are averaged by hand (all-reduced, over
     the default group) and that steps only where gradsync did; `read_before_step` as a front-end
-    whose hooks read the gradients before the step (``wait_at_backward_end``)."""
+    whose hooks read the gradients before the step (``wait_at_backward_end``); the model's layers
+    `hidden` wide, synchronised by `scheduler`."""
     torch.manual_seed(0)
     if device == "cuda":
         torch.cuda.set_device(0)
-    model = Chain().to(device)
+    model = Chain(hidden).to(device)
     reference = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp",
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
                                      profile=chain_profile(model), cost=COST)
     sync = attached(model)
     sync.wait_at_backward_end = read_before_step
@@ -97,12 +98,25 @@ def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], 
                     parameter.grad /= world_size
             reference_optimizer.step()
         record.append((at_outputs, error, distance(model, reference)))
+    executors = sync.installed.executors.values()
+    shape = {"launches_early": any(plan.tensors_launching_early() for plan in sync.installed.plans.values()),
+             "all_fused": all(state.fused_data is not None for executor in executors for state in executor.ops)}
     sync.detach()
-    return record
+    return {"steps": record, **shape}
 
 
-def run_steps(kinds: list[str], read_before_step: bool = False):
-    first, second = run_local(steps_beside_averaged_by_hand, 2, kinds, read_before_step, timeout=120)
+# (scheduler, layer width): one fused op launched at the backward pass's end; or one op a layer, each
+# launched as its gradients are final, the middle layer's too large to be fused (its gradients are
+# copied into the buffer, and a pass that bypasses the outputs writes them, not the buffer)
+PLANS = {"one op at the end": ("ddp", 16), "an op a layer, launched early, not all fused": ("wfbp", 128)}
+
+
+def run_steps(kinds: list[str], read_before_step: bool = False, plan: str = "one op at the end"):
+    first, second = run_local(steps_beside_averaged_by_hand, 2, kinds, read_before_step, "cpu", *PLANS[plan],
+                              timeout=120)
+    assert (first["launches_early"], first["all_fused"]) == ((False, True) if plan == "one op at the end" else
+                                                             (True, False))
+    first, second = first["steps"], second["steps"]
     assert [(at, error is None) for at, error, _ in first] == [(at, error is None) for at, error, _ in second]
     return first
 
@@ -110,8 +124,9 @@ def run_steps(kinds: list[str], read_before_step: bool = False):
 WARM = 6  # steps after which a plan of one op at the backward pass's end begins at the outputs
 
 
-def test_a_plan_launching_at_the_backward_end_begins_at_the_outputs_and_trains_as_averaged_by_hand():
-    record = run_steps(["plain"] * WARM + ["no_sync", "plain", "plain"])
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_plan_of_whole_gradients_begins_at_the_outputs_and_trains_as_averaged_by_hand(plan):
+    record = run_steps(["plain"] * WARM + ["no_sync", "plain", "plain"], plan=plan)
     assert not record[0][0] and all(at for at, _, _ in record[WARM - 1:])
     assert all(error is None and difference < 1e-6 for _, error, difference in record)
 
@@ -132,17 +147,18 @@ def test_the_hooks_stay_where_the_graph_never_names_every_parameter_or_a_front_e
     assert all(error is None and difference < 1e-6 for _, error, difference in record)
 
 
-@pytest.mark.parametrize("kind, refusal", [
-    ("bypass_after", "accumulated into gradients being averaged"),
-    ("bypass_after_synchronize", "a backward pass after a synchronised one"),
-    ("bypass_alone", "without a synchronised backward pass")])
-def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal):
+@pytest.mark.parametrize("kind, refusal, plan", [
+    ("bypass_after", "accumulated into gradients being averaged", "one op at the end"),
+    ("bypass_after", "accumulated into gradients being averaged", "an op a layer, launched early, not all fused"),
+    ("bypass_after_synchronize", "a backward pass after a synchronised one", "one op at the end"),
+    ("bypass_alone", "without a synchronised backward pass", "one op at the end")])
+def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal, plan):
     """After a synchronised pass, a second one on the parameters alone would add to gradients in
     flight, or, once they are read before the step (``synchronize``, which brings the hooks back),
     to averaged ones; alone, it would never be averaged: each is refused, before the optimizer
     steps, and from then on the hooks begin every iteration (a pass on the parameters alone is
     then averaged)."""
-    record = run_steps(["plain"] * WARM + [kind, "bypass_alone", "plain"])
+    record = run_steps(["plain"] * WARM + [kind, "bypass_alone", "plain"], plan=plan)
     at_outputs, error, _ = record[WARM]
     assert at_outputs and refusal in error
     assert not any(at for at, _, _ in record[WARM + 1:])
@@ -155,8 +171,9 @@ def test_iterations_begin_at_the_outputs_on_cuda_over_nccl():
     """On the GPU the output's hook runs on the device's autograd thread and NCCL writes the op
     buffers without moving their version counters: the outputs begin, and a pass that bypasses
     them after a synchronised one is still refused."""
-    record, = run_local(steps_beside_averaged_by_hand, 1, ["plain"] * WARM + ["bypass_after", "plain"], False,
+    result, = run_local(steps_beside_averaged_by_hand, 1, ["plain"] * WARM + ["bypass_after", "plain"], False,
                         "cuda", backend="nccl", timeout=300)
+    record = result["steps"]
     assert record[WARM][0] and "accumulated into gradients being averaged" in record[WARM][1]
     assert not record[WARM + 1][0]
     assert all(difference < 1e-6 for _, _, difference in record)

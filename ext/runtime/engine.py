@@ -216,8 +216,7 @@ class GradSync:
     def _begin_at_outputs(self) -> None:
         """Steps 1 and 2 of ``output_start``: refuse a pass after a synchronised one, count the
         parameters of a no_sync pass, or begin; the hooks are back at once, for the rest of the pass,
-        where the graph leaves a parameter out or a gradient is not its span of an op buffer (which
-        step 3 could not watch)."""
+        where the graph leaves a parameter out."""
         used = self.output_start.used_in_graph()
         if used is None:  # torch.autograd.grad: no gradient accumulates
             return
@@ -230,7 +229,7 @@ class GradSync:
         self._begin_backward()
         ready = self.executor.ready
         ready |= used
-        if len(ready) < len(self.table.parameters) or not self.executor.resident():
+        if len(ready) < len(self.table.parameters):
             self._leave_outputs()
         self.executor.buffer_watch = self._changed_in_flight if self.begins_at_outputs else None
 
@@ -360,12 +359,11 @@ class GradSync:
                 ready_wanted = set(self.table.parameters) if releasing else {
                     name for plan in plans.values() for name in plan.tensors_launching_early()}
             self._hook_gradients(ready_wanted)
-            executors = self.installed.executors.values()
+            executors = list(self.installed.executors.values())
             # (a forest's all-reduce sums into the buffer with torch's own ops, which move its version)
-            self.outputs_may_begin = (not measuring and self.trace is None and not ready_wanted
-                                      and not self.forward_hooks_base and not self.channels.forests
-                                      and len(executors) == 1
-                                      and all(state.fused_data is not None for e in executors for state in e.ops))
+            self.outputs_may_begin = (not measuring and self.trace is None and not self.forward_hooks_base
+                                      and not self.channels.forests and len(executors) == 1
+                                      and executors[0].watchable())
             if self.outputs_may_begin:
                 self.output_start.prepare()
             elif self.begins_at_outputs:

@@ -80,6 +80,9 @@ class _OpState:
     reduced_flags_all_used: torch.Tensor | None = None
     used_by_every_rank: dict[str, float] = field(default_factory=dict)
     launched_version: int | None = None  # its buffer's version counter at launch, where watched
+    # where watched and its gradients are not all spans of the buffer: each one (None where unused) and
+    # its version counter at launch (``PlanExecutor.changed_since_launch``)
+    held: list[tuple[torch.Tensor | None, int]] | None = None
     # found complete when first waited for, while its completion was timed: from then on its future's
     # callback times it (``PlanExecutor._note_completion``)
     completes_unwatched: bool = False
@@ -392,6 +395,8 @@ class PlanExecutor:
             self._pack(state)
         state.launched_at = time.perf_counter()
         state.launched_version = state.buffer._version if self.buffer_watch is not None else None
+        state.held = None if self.buffer_watch is None or _resident(state) else [
+            (grad, grad._version if grad is not None else 0) for grad in (p.grad for p in state.parameters)]
         with _profiled(f"gradsync::launch {state.label}"):
             if self.codec.collective == "allgather":
                 state.gathered = [torch.empty_like(state.buffer) for _ in range(self.channels.world_size)]
@@ -493,9 +498,9 @@ class PlanExecutor:
         """Op `index`'s collective has completed: unpack it and let the codec write the tensors
         whose ops are all done."""
         state = self.ops[index]
-        if state.launched_version is not None and state.buffer._version != state.launched_version:
-            state.launched_version = None  # refused once: the gradients are landed as they are after it
-            self.buffer_watch(state.label)
+        if self.buffer_watch is not None and state.launched_version is not None and _changed_since_launch(state):
+            watch, self.buffer_watch = self.buffer_watch, None  # refused once: the gradients of this op and
+            watch(state.label)  # of the others are landed as they are after it
         state.done = True
         self.ops_open -= 1
         if self.times_ops and not self.done_at[index]:  # its future's callback has not run, or there is none
@@ -539,7 +544,7 @@ class PlanExecutor:
 
     def _land(self, state: _OpState, data: torch.Tensor, used: dict[str, float]) -> None:
         """Each used tensor's reduced span where the codec takes it (or adopted as its gradient)."""
-        if used is state.used_by_every_rank and state.fused_data is not None and _in_their_spans(state):
+        if used is state.used_by_every_rank and _resident(state):
             return  # every gradient is its span of the buffer already
         for (name, offset, length, position), view, direct in zip(state.slices, state.views, state.direct):
             parameter = self.parameters[name]
@@ -588,15 +593,16 @@ class PlanExecutor:
         accumulates into them, and packing them copies nothing. Returns the tensors zeroed."""
         zeroed = set()
         for state in self.ops:
-            if state.fused_data is not None and state.done and _in_their_spans(state):
+            if state.done and _resident(state):
                 state.fused_data.zero_()
                 zeroed.update(state.tensors)
         return zeroed
 
-    def resident(self) -> bool:
-        """Whether every op is fused and every gradient is its span of the op's buffer (as `_land`
-        and `zero_gradients_in_place` leave them): a backward pass accumulates into the buffers."""
-        return all(state.fused_data is not None and _in_their_spans(state) for state in self.ops)
+    def watchable(self) -> bool:
+        """Whether a backward pass that writes the gradients of an op in flight shows at its collection
+        (``buffer_watch``; ``runtime.output_start``, step 3): every slice a whole gradient sent as it is
+        (the buffer's span stands in for it, or holds its scaled copy), none released."""
+        return not self.releases_gradients and all(None not in state.direct for state in self.ops)
 
     def wait_before_step(self) -> None:
         """Wait for the ops the optimizer step waits for (those that do not gate the forward)."""
@@ -633,6 +639,23 @@ class PlanExecutor:
 
     def wire_bytes(self) -> int:
         return self.buffer_bytes
+
+
+def _resident(state: _OpState) -> bool:
+    """Whether the op is fused and every gradient is its span of the buffer (as `_land` and
+    ``zero_gradients_in_place`` leave them): a backward pass accumulates into the buffer."""
+    return state.fused_data is not None and _in_their_spans(state)
+
+
+def _changed_since_launch(state: _OpState) -> bool:
+    """Whether a backward pass wrote the op's gradients after its launch: its buffer's version
+    counter moved (a gradient that is its span), or a gradient held at launch was replaced, or
+    written in place (``_OpState.held``). The backends write the buffer without moving it."""
+    if state.buffer._version != state.launched_version:
+        return True
+    return state.held is not None and any(
+        parameter.grad is not grad or (grad is not None and grad._version != version)
+        for parameter, (grad, version) in zip(state.parameters, state.held))
 
 
 def _in_their_spans(state: _OpState, grads=None) -> bool:

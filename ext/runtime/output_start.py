@@ -4,10 +4,10 @@ gradient of a parameter.
 A hook before each parameter's gradient accumulates costs the backward pass one Python call per
 parameter (about 1 µs each: MobileNet-V2's 158 took 2-3% of an iteration on 8 emulated ranks
 sharing 2 cores). Those hooks begin the iteration, refuse a second backward pass before the step,
-and tell which parameters produce a gradient. Where no op of the plans in force launches before
-the backward pass ends and every gradient is a span of a fused op's buffer
-(``PlanExecutor.resident``), hooks on the tensors the model's forward returns do the three
-(``GradSync._begin_at_outputs``):
+and tell which parameters produce a gradient. Where every op of the plans in force carries whole
+gradients as they are (``PlanExecutor.watchable``), hooks on the tensors the model's forward
+returns do the three (``GradSync._begin_at_outputs``); the ready hooks of gradients that let an op
+launch before the pass ends stay:
 1. the first gradient of an output begins the iteration, or refuses the pass, before any gradient
    of a parameter the forward used accumulates;
 2. the parameters that produce a gradient are read from the autograd graph as the pass starts
@@ -16,8 +16,10 @@ the backward pass ends and every gradient is a span of a fused op's buffer
    graph cannot see (one a reentrant checkpoint's inner backward pass reaches) then cannot be left
    out, and where one is missing the per-parameter hooks are back at once, for the rest of the pass;
 3. a later backward pass that bypasses the outputs (a loss on a submodule's output or on the
-   parameters alone) accumulates into the op buffers, which moves their version counters: an op
-   finding its buffer's counter moved since its launch refuses (``PlanExecutor.buffer_watch``
+   parameters alone) writes the gradients of ops launched: into an op's buffer where a gradient is
+   its span (a fused op's, after ``zero_gradients_in_place``), which moves the buffer's version
+   counter, else into the gradient the op read at its launch, which moves that one's counter or
+   replaces it. An op finding either at its collection refuses (``PlanExecutor.buffer_watch``
    raises `GradientsChangedInFlight`), and so does a step after such a pass alone; either returns
    the runtime to the hooks for good.
 The outputs begin only after a synchronised pass in which the outputs' first gradient came before
