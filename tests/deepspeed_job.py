@@ -6,7 +6,8 @@
    clips at 1.0 by default): DeepSpeed's engine with gradsync beside a DistributedDataParallel
    reference run on the same batches in this process; the first writes to DeepSpeed's csv monitor;
 2. ``acp_sgd`` with gradient clipping: losses, replica agreement, and a checkpoint round trip
-   through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches;
+   through ``engine.save_checkpoint``/``load_checkpoint`` replayed on the same batches (this run
+   probes the network for its cost model at the start; every other run reads DIR/cost.json);
 3. ``"nonfinite": "skip"`` with a NaN batch on rank 1, beside plain DeepSpeed (no gradsync section)
    on the same batches without that one, both with a warm-up LR schedule;
 4. every non-compressing scheduler at ZeRO stages 0 (fp32 and bf16), 1 and 2 (bf16; and fp32 with
@@ -16,12 +17,15 @@
 6. fp16 under ZeRO stage 2 with overflowing first steps, and at stage 0 with an overflowing batch,
    beside DeepSpeed's own run.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
+On the CPU, DeepSpeed's communication backend starts without its shared-memory op (see
+``without_shared_memory_op``).
 With ``--cuda`` (one process per GPU, NCCL) the job runs 6 alone, for the GPU acceptance run.
 Rank 0 writes what it measured to DIR/result.json; the test holds the expectations.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import time
@@ -127,11 +131,15 @@ def uncompressed_equivalence(rank: int, cost_path: str, clipping: float, transpo
     return result
 
 
-def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0, precision: str = "fp32") -> dict:
+def compressed_with_checkpoint(rank: int, directory: Path, stage: int = 0, precision: str = "fp32",
+                               cost_path: str | None = None) -> dict:
+    """`cost_path`: the cost model's file; None, the section's default (the network probed at the
+    start). wfbp's plan is the same whatever the cost."""
     steps, saved_at, replay = 24, 16, 4
     config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 1.0, "optimizer": SGD, **QUIET,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-              "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2}},
+              "gradsync": {"scheduler": "wfbp", "compressor": {"type": "acp_sgd", "rank": 2},
+                           **({"cost": cost_path} if cost_path else {})},
               **({precision: {"enabled": True}} if precision != "fp32" else {})}
     model = mlp()
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -324,6 +332,8 @@ def main() -> None:
     torch.set_num_threads(1)
     random.seed(0)  # rank 0 draws the low-rank codecs' seed: every run of the job alike
     set_log_level_from_string("info")  # the plan gradsync runs is an INFO line of DeepSpeed's logger
+    if not args.cuda:
+        without_shared_memory_op()
     deepspeed.init_distributed(dist_backend="nccl" if args.cuda else "gloo")
     rank = dist.get_rank()
     cost_path = args.out / "cost.json"
@@ -344,6 +354,14 @@ def main() -> None:
     dist.barrier()
 
 
+def without_shared_memory_op() -> None:
+    """DeepSpeed's CPU backend builds its shared-memory op as it starts (a compile of about half a
+    minute in a fresh environment) for ``inference_all_reduce`` alone, which training never calls.
+    The backend starts without it, as on a platform where the op cannot be built: every collective
+    is torch's."""
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
     """Every run of the module docstring, on 2 CPU ranks (gloo)."""
     cost = str(cost_path)
@@ -351,9 +369,9 @@ def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
             "uncompressed_clipped": uncompressed_equivalence(rank, cost, 1.0,
                                                              {"transport": "forest", "topology": "complete-2"}),
             "acp_sgd": compressed_with_checkpoint(rank, out / "checkpoint"),
-            **{f"acp_sgd_zero{stage}": compressed_with_checkpoint(rank, out / f"checkpoint{stage}", stage)
+            **{f"acp_sgd_zero{stage}": compressed_with_checkpoint(rank, out / f"checkpoint{stage}", stage, "fp32", cost)
                for stage in (1, 2)},
-            "acp_sgd_bf16": compressed_with_checkpoint(rank, out / "checkpoint_bf16", 0, "bf16"),
+            "acp_sgd_bf16": compressed_with_checkpoint(rank, out / "checkpoint_bf16", 0, "bf16", cost),
             "skip": skipped_step_against_plain_deepspeed(rank, cost),
             "stages": stages_against_deepspeed(rank, cost),
             **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()}}

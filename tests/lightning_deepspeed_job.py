@@ -3,8 +3,10 @@ coming before DeepSpeed is loaded: `python lightning_deepspeed_job.py OUT [cpu|c
 writes what ran to OUT/ran.json and DeepSpeed's csv monitor writes under OUT/monitor.
 
 Lightning's DeepSpeedStrategy refuses any accelerator but CUDA; on CPU (2 ranks, gloo) the job
-runs it with that one check lifted and DeepSpeed's CPU accelerator, the rest of it unchanged.
+runs it with that one check lifted and DeepSpeed's CPU accelerator, the rest of it unchanged
+(DeepSpeed's backend starting without its shared-memory op, as in tests/deepspeed_job.py).
 """
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -22,6 +24,8 @@ STEPS = 6
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):
     def setup_environment(self) -> None:
+        # the op serves inference_all_reduce alone, and its first build takes about half a minute
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         DDPStrategy.setup_environment(self)  # DeepSpeedStrategy's, less its CUDA-only check
 
 

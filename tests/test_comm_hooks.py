@@ -55,9 +55,10 @@ def flat(module) -> torch.Tensor:
 
 def matches_wrap(compressor: dict, align_factors: bool) -> float:
     """Largest parameter difference between the hook (one parameter per bucket past DDP's first)
-    and wrap's wfbp (one op per parameter) after STEPS steps. With `align_factors`, wrap's low-rank
-    codec starts from the hook's first queries (each run's rank 0 draws its own seed), read after
-    the hook's step 0 (a P step, whose query Orth(Q₀) the codec keeps as its next Q)."""
+    and wrap's wfbp (one op per parameter on any cost model: a given one spares the network
+    probes) after STEPS steps. With `align_factors`, wrap's low-rank codec starts from the hook's
+    first queries (each run's rank 0 draws its own seed), read after the hook's step 0 (a P step,
+    whose query Orth(Q₀) the codec keeps as its next Q)."""
     rank = dist.get_rank()
     ddp, optimizer, state = hooked(compressor, ONE_PARAMETER_PER_BUCKET)
     for step in range(STEPS):
@@ -66,7 +67,7 @@ def matches_wrap(compressor: dict, align_factors: bool) -> float:
             queries = {name: query.clone() for name, query in getattr(state.codec, "q_prev", {}).items()}
     wrapped = model()
     wrapped, wrapped_optimizer = gradsync.wrap(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1),
-                                               scheduler="wfbp", compressor=compressor)
+                                               scheduler="wfbp", compressor=compressor, cost=COST)
     codec = attached(wrapped).installed.codec
     if align_factors:
         assert queries.keys() == codec.q_prev.keys() and len(queries) == 2  # the matrices worth compressing
@@ -83,7 +84,7 @@ def accumulated_beside_wrap(compressor) -> float:
     ddp, optimizer, _ = hooked(compressor)
     wrapped = model()
     wrapped, wrapped_optimizer = gradsync.wrap(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1),
-                                               scheduler="wfbp", compressor=compressor)
+                                               scheduler="wfbp", compressor=compressor, cost=COST)
     for network, stepper, no_sync in ((ddp, optimizer, ddp.no_sync), (wrapped, wrapped_optimizer,
                                                                       lambda: gradsync.no_sync(wrapped))):
         for step in range(STEPS):

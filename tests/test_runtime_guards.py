@@ -283,6 +283,8 @@ def stalled_peer(rank, world_size, where, released):
     try:
         if where == "wrap" and rank == 1:
             stall(released)
+            if os.path.exists(released):  # the peer has given up on wrap: nobody left to meet there
+                return None, None, 0.0
         settings = {"scheduler": "wfbp", "profile": synthetic_profile(model), "cost": COST, **options}
         model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=STALL_TIMEOUT,
                                          warmup_iterations=0, measure_iterations=1, **settings)
