@@ -108,14 +108,19 @@ def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], 
 # (scheduler, layer width): one fused op launched at the backward pass's end; or one op a layer, each
 # launched as its gradients are final, the middle layer's too large to be fused (its gradients are
 # copied into the buffer, and a pass that bypasses the outputs writes them, not the buffer)
-PLANS = {"one op at the end": ("ddp", 16), "an op a layer, launched early, not all fused": ("wfbp", 128)}
+PLANS = {"one_fused_op_at_the_end": ("ddp", 16), "an_op_a_layer_launched_early_not_all_fused": ("wfbp", 128)}
 
 
-def run_steps(kinds: list[str], read_before_step: bool = False, plan: str = "one op at the end"):
+def check_plan_shape(result: dict, plan: str) -> None:
+    """The plan ran as `PLANS` describes it."""
+    at_the_end = plan == "one_fused_op_at_the_end"
+    assert (result["launches_early"], result["all_fused"]) == (not at_the_end, at_the_end)
+
+
+def run_steps(kinds: list[str], read_before_step: bool = False, plan: str = "one_fused_op_at_the_end"):
     first, second = run_local(steps_beside_averaged_by_hand, 2, kinds, read_before_step, "cpu", *PLANS[plan],
                               timeout=120)
-    assert (first["launches_early"], first["all_fused"]) == ((False, True) if plan == "one op at the end" else
-                                                             (True, False))
+    check_plan_shape(first, plan)
     first, second = first["steps"], second["steps"]
     assert [(at, error is None) for at, error, _ in first] == [(at, error is None) for at, error, _ in second]
     return first
@@ -148,10 +153,10 @@ def test_the_hooks_stay_where_the_graph_never_names_every_parameter_or_a_front_e
 
 
 @pytest.mark.parametrize("kind, refusal, plan", [
-    ("bypass_after", "accumulated into gradients being averaged", "one op at the end"),
-    ("bypass_after", "accumulated into gradients being averaged", "an op a layer, launched early, not all fused"),
-    ("bypass_after_synchronize", "a backward pass after a synchronised one", "one op at the end"),
-    ("bypass_alone", "without a synchronised backward pass", "one op at the end")])
+    ("bypass_after", "accumulated into gradients being averaged", "one_fused_op_at_the_end"),
+    ("bypass_after", "accumulated into gradients being averaged", "an_op_a_layer_launched_early_not_all_fused"),
+    ("bypass_after_synchronize", "a backward pass after a synchronised one", "one_fused_op_at_the_end"),
+    ("bypass_alone", "without a synchronised backward pass", "one_fused_op_at_the_end")])
 def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal, plan):
     """After a synchronised pass, a second one on the parameters alone would add to gradients in
     flight, or, once they are read before the step (``synchronize``, which brings the hooks back),
@@ -167,12 +172,14 @@ def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kin
 
 
 @pytest.mark.gpu
-def test_iterations_begin_at_the_outputs_on_cuda_over_nccl():
+@pytest.mark.parametrize("plan", PLANS)
+def test_iterations_begin_at_the_outputs_on_cuda_over_nccl(plan):
     """On the GPU the output's hook runs on the device's autograd thread and NCCL writes the op
     buffers without moving their version counters: the outputs begin, and a pass that bypasses
     them after a synchronised one is still refused."""
     result, = run_local(steps_beside_averaged_by_hand, 1, ["plain"] * WARM + ["bypass_after", "plain"], False,
-                        "cuda", backend="nccl", timeout=300)
+                        "cuda", *PLANS[plan], backend="nccl", timeout=300)
+    check_plan_shape(result, plan)
     record = result["steps"]
     assert record[WARM][0] and "accumulated into gradients being averaged" in record[WARM][1]
     assert not record[WARM + 1][0]
