@@ -52,7 +52,8 @@ def losses(network: nn.Module, kind: str, rank: int, step: int) -> list[torch.Te
     return {"plain": lambda: [through_outputs()], "checkpointed": lambda: [through_outputs(True)],
             "no_sync": lambda: [through_outputs(), through_outputs()],
             "bypass_after": lambda: [through_outputs(), bypassing()], "bypass_alone": lambda: [bypassing()],
-            "bypass_after_synchronize": lambda: [through_outputs(), bypassing()]}[kind]()
+            "bypass_after_synchronize": lambda: [through_outputs(), bypassing()],
+            "clipped_in_flight": lambda: [through_outputs()]}[kind]()
 
 
 def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], read_before_step: bool = False,
@@ -82,6 +83,8 @@ def steps_beside_averaged_by_hand(rank: int, world_size: int, kinds: list[str], 
                 passes[0].backward()
             if kind == "bypass_after_synchronize":  # the gradients read before the step, as to clip them
                 optimizer.synchronize()
+            if kind == "clipped_in_flight":  # clipped without optimizer.synchronize(): local gradients, in flight
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
             for loss in passes[1:]:
                 loss.backward()
             optimizer.step()
@@ -156,13 +159,16 @@ def test_the_hooks_stay_where_the_graph_never_names_every_parameter_or_a_front_e
     ("bypass_after", "accumulated into gradients being averaged", "one_fused_op_at_the_end"),
     ("bypass_after", "accumulated into gradients being averaged", "an_op_a_layer_launched_early_not_all_fused"),
     ("bypass_after_synchronize", "a backward pass after a synchronised one", "one_fused_op_at_the_end"),
-    ("bypass_alone", "without a synchronised backward pass", "one_fused_op_at_the_end")])
+    ("bypass_alone", "without a synchronised backward pass", "one_fused_op_at_the_end"),
+    ("clipped_in_flight", "change them after optimizer.synchronize()", "one_fused_op_at_the_end"),
+    ("clipped_in_flight", "change them after optimizer.synchronize()", "an_op_a_layer_launched_early_not_all_fused")])
 def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal, plan):
     """After a synchronised pass, a second one on the parameters alone would add to gradients in
     flight, or, once they are read before the step (``synchronize``, which brings the hooks back),
     to averaged ones; alone, it would never be averaged: each is refused, before the optimizer
     steps, and from then on the hooks begin every iteration (a pass on the parameters alone is
-    then averaged)."""
+    then averaged). Gradients clipped in place while in flight are refused alike, the message
+    naming the remedy."""
     record = run_steps(["plain"] * WARM + [kind, "bypass_alone", "plain"], plan=plan)
     at_outputs, error, _ = record[WARM]
     assert at_outputs and refusal in error

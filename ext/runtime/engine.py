@@ -241,7 +241,8 @@ class GradSync:
 
     def _changed_in_flight(self, op: str) -> None:
         """Step 3 of ``output_start``: a pass that bypassed the outputs accumulated into an op in
-        flight; the op is refused (the next zero_grad waits for the others before zeroing)."""
+        flight (or its gradients were changed in place); the op is refused (the next zero_grad waits
+        for the others before zeroing)."""
         self.gradients_held = True
         self._leave_outputs()
         raise GradientsChangedInFlight(
@@ -249,7 +250,8 @@ class GradSync:
             f"being averaged ({op} of the plan): it did not pass through the model's outputs (a loss on a "
             "submodule's output or on the parameters alone), where gradsync began this model's iterations. It "
             "begins at each parameter's gradient from now on, which refuses such a pass before it accumulates: "
-            "call optimizer.zero_grad() and run the step again")
+            "call optimizer.zero_grad() and run the step again. (Gradients changed in place before the step, "
+            "as by clipping, show the same: change them after optimizer.synchronize(), once they are averaged)")
 
     def _choose_start(self) -> None:
         """At a step's end: begin the next iteration at the outputs where the plans in force let it,
