@@ -81,7 +81,7 @@ class _OpState:
     used_by_every_rank: dict[str, float] = field(default_factory=dict)
     launched_version: int | None = None  # its buffer's version counter at launch, where watched
     # where watched and its gradients are not all spans of the buffer: each one (None where unused) and
-    # its version counter at launch (``PlanExecutor.changed_since_launch``)
+    # its version counter at launch (``_changed_since_launch``)
     held: list[tuple[torch.Tensor | None, int]] | None = None
     # found complete when first waited for, while its completion was timed: from then on its future's
     # callback times it (``PlanExecutor._note_completion``)
@@ -648,9 +648,10 @@ def _resident(state: _OpState) -> bool:
 
 
 def _changed_since_launch(state: _OpState) -> bool:
-    """Whether a backward pass wrote the op's gradients after its launch: its buffer's version
-    counter moved (a gradient that is its span), or a gradient held at launch was replaced, or
-    written in place (``_OpState.held``). The backends write the buffer without moving it."""
+    """Whether the op's gradients were written after its launch (by a backward pass, or in place):
+    its buffer's version counter moved (a gradient that is its span), or a gradient held at launch
+    was replaced, or written in place (``_OpState.held``). The backends write the buffer without
+    moving it."""
     if state.buffer._version != state.launched_version:
         return True
     return state.held is not None and any(
