@@ -7,7 +7,7 @@ from importlib import import_module as _import_module
 
 from . import planners, profile
 from .cost import CostModel
-from .errors import ConfigError
+from .errors import ConfigError, GradientsChangedInFlight
 from .plan import Op, Plan, Slice
 from .profile import ModelProfile
 from .runtime import IterationStats, NonFiniteGradient, SyncReport, no_sync, report, wrap
@@ -48,6 +48,7 @@ def __getattr__(name: str):
 __all__ = [
     "ConfigError",
     "CostModel",
+    "GradientsChangedInFlight",
     "IterationStats",
     "NonFiniteGradient",
     "ModelProfile",

@@ -10,6 +10,12 @@ class PeersTimedOut(RuntimeError):
     stalled, failed or exited); the message names the collective."""
 
 
+class GradientsChangedInFlight(RuntimeError):
+    """Gradients changed while their ops were averaging them, before ``optimizer.step()``: changed in
+    place (clipped) or replaced before ``optimizer.synchronize()``, or accumulated into by a backward
+    pass that bypassed the model's outputs (``runtime.output_start``). Raised before any update."""
+
+
 def unknown_name(kind: str, name: object, valid) -> ConfigError:
     """The error for a name that is not among the valid ones, listing them.
 

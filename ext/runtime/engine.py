@@ -35,13 +35,13 @@ from torch.autograd import Variable
 
 from ..agreement import waiting_for
 from ..compress.loss_scale import LossScaleFollower
-from ..errors import ConfigError
+from ..errors import ConfigError, GradientsChangedInFlight
 from ..plan import Plan
 from .channels import Channels
 from .deferred import DeferredUpdates
 from .executor import PlanExecutor
 from .first_rank import FirstRankValues
-from .output_start import GradientsChangedInFlight, OutputStart
+from .output_start import OutputStart
 from .installed import InstalledPlans
 from .parameter_table import ParameterTable
 from .measure import IterationDone, Measurement
@@ -231,7 +231,6 @@ class GradSync:
         ready |= used
         if len(ready) < len(self.table.parameters):
             self._leave_outputs()
-        self.executor.buffer_watch = self._changed_in_flight if self.begins_at_outputs else None
 
     def _leave_outputs(self) -> None:
         """Back to the arrival hooks for good."""
@@ -239,19 +238,28 @@ class GradSync:
         if self.begins_at_outputs:
             self._hook_arrivals(True)
 
-    def _changed_in_flight(self, op: str) -> None:
-        """Step 3 of ``output_start``: a pass that bypassed the outputs accumulated into an op in
-        flight (or its gradients were changed in place); the op is refused (the next zero_grad waits
-        for the others before zeroing)."""
+    def _refuse_changed_in_flight(self, op: str) -> None:
+        """The gradients of an op were written while it was in flight (``PlanExecutor.in_flight_watch``):
+        the averages would replace what was written, so the op is refused (the next zero_grad waits for
+        the others before zeroing). Where the iteration began at the outputs, a pass that bypassed them
+        may have accumulated into them (step 3 of ``output_start``); else, the arrival hooks refusing
+        such a pass, they were changed in place or replaced, as clipping or a GradScaler's unscale_
+        does before ``optimizer.synchronize()``."""
         self.gradients_held = True
-        self._leave_outputs()
+        if self.begins_at_outputs:
+            self._leave_outputs()
+            raise GradientsChangedInFlight(
+                f"a backward pass after a synchronised one and before optimizer.step() accumulated into gradients "
+                f"being averaged ({op} of the plan): it did not pass through the model's outputs (a loss on a "
+                "submodule's output or on the parameters alone), where gradsync began this model's iterations. It "
+                "begins at each parameter's gradient from now on, which refuses such a pass before it accumulates: "
+                "call optimizer.zero_grad() and run the step again. (Gradients changed in place before the step, "
+                "as by clipping, show the same: change them after optimizer.synchronize(), once they are averaged)")
         raise GradientsChangedInFlight(
-            f"a backward pass after a synchronised one and before optimizer.step() accumulated into gradients "
-            f"being averaged ({op} of the plan): it did not pass through the model's outputs (a loss on a "
-            "submodule's output or on the parameters alone), where gradsync began this model's iterations. It "
-            "begins at each parameter's gradient from now on, which refuses such a pass before it accumulates: "
-            "call optimizer.zero_grad() and run the step again. (Gradients changed in place before the step, "
-            "as by clipping, show the same: change them after optimizer.synchronize(), once they are averaged)")
+            f"gradients being averaged ({op} of the plan) were changed before optimizer.step(): in place, as by "
+            "clipping or a GradScaler's unscale_, or replaced. Their averages would overwrite the change: read or "
+            "change them after optimizer.synchronize(), once they are averaged (a GradScaler: pass it to "
+            "gradsync.wrap as grad_scaler). Call optimizer.zero_grad() and run the step again")
 
     def _choose_start(self) -> None:
         """At a step's end: begin the next iteration at the outputs where the plans in force let it,
@@ -285,7 +293,7 @@ class GradSync:
         if self.loss_scale is not None:
             self.loss_scale.follow(self.codec)
         self.executor = self.installed.executors[self.rounds_now[0]]
-        self.executor.buffer_watch = self._changed_in_flight if self.begins_at_outputs else None
+        self.executor.in_flight_watch = self._refuse_changed_in_flight
         if self.buffers_from_first is not None:  # the next forward reads rank 0's buffers, as after DDP's synchronised
             # forwards (every rank takes part, even if one evaluates alone next); sent before any op of
             # the plan, so that on a shared link its bytes go first and its wait is none of theirs
@@ -318,6 +326,7 @@ class GradSync:
             self.buffers_arriving = None
         for round_index in range(1, len(self.rounds_now)):  # a later round starts once the one before is reduced
             previous, self.executor = self.executor, self.installed.executors[self.rounds_now[round_index]]
+            self.executor.in_flight_watch = self._refuse_changed_in_flight
             self.clock.wait(previous, previous.wait_all)
             with self.clock.updating():  # the round's encoding
                 self.executor.start_iteration(previous.step, ready=previous.ready,
@@ -423,6 +432,7 @@ class GradSync:
                     "the step run again)" if bypassed else ""))
         self.backward_synced = self.gradients_held = False
         executor = self.executor
+        executor.refuse_changed_in_flight()
         nonfinite_skips = self.installed.nonfinite == "skip"
         self.clock.wait(executor, executor.wait_all if nonfinite_skips else executor.wait_before_step)
         if not executor.skip_step:
@@ -439,6 +449,7 @@ class GradSync:
         step (clipped, checked) end the iterations begun at the outputs: a later pass that bypassed
         them would add to averaged gradients that no op watches any more (``output_start``)."""
         if self.executor is not None and self.backward_synced:
+            self.executor.refuse_changed_in_flight()
             self.executor.wait_all()
             self._leave_outputs()
         self.flush_deferred()

@@ -79,10 +79,7 @@ class _OpState:
     # the summed used flags they give (the check after the collective is then one comparison)
     reduced_flags_all_used: torch.Tensor | None = None
     used_by_every_rank: dict[str, float] = field(default_factory=dict)
-    launched_version: int | None = None  # its buffer's version counter at launch, where watched
-    # where watched and its gradients are not all spans of the buffer: each one (None where unused) and
-    # its version counter at launch (``_changed_since_launch``)
-    held: list[tuple[torch.Tensor | None, int]] | None = None
+    watched_version: int | None = None  # its buffer's version counter at the backward pass's end, where watched
     # found complete when first waited for, while its completion was timed: from then on its future's
     # callback times it (``PlanExecutor._note_completion``)
     completes_unwatched: bool = False
@@ -139,9 +136,15 @@ class PlanExecutor:
                                 if decoded_may_overflow(state.buffer.dtype, self.parameters[name].dtype)}
         self.order = ops_by_channel(plan.ops)
         self.times_ops = False  # time the communication for the cost watch (`time_ops`)
-        # where set, called (and raising) with the op's label when an op's buffer changed in flight: a
-        # backward pass no hook saw (``output_start``)
-        self.buffer_watch: Callable[[str], None] | None = None
+        # where set, called (and raising) with the op's label when an op's gradients changed in flight
+        # (`refuse_changed_in_flight`): a backward pass no hook saw (``output_start``), or the gradients
+        # changed in place (clipped) before they were averaged. Not where each gradient is released once
+        # copied in, nor over the forest transport, which writes the buffers (and the gradients that are
+        # their views, as `_land` leaves them) with torch's own ops: those move their version counters
+        self.in_flight_watch: Callable[[str], None] | None = None
+        # per tensor of an op whose gradients are not its buffer's spans, while watched: its gradient at the
+        # backward pass's end (None where unused) and its version counter then
+        self.held: dict[str, tuple[torch.Tensor | None, int]] = {}
         self.busy_times: list[float] = []  # per finished iteration, its communication's busy time, until taken
         self.done_at: list[float] = []  # when each op of the iteration under way completed (0: not yet)
         self.start_iteration(0)
@@ -319,11 +322,12 @@ class PlanExecutor:
         self.encode_seconds = 0.0
         for state in self.ops:
             state.waiting_for = set(state.tensors)
-            state.work, state.done = None, False
+            state.work, state.done, state.watched_version = None, False, None
         self.cursor = {channel: 0 for channel in self.order}
         self.ready: set[str] = set(ready or ())
         self.zeroed_in_place = zeroed_in_place or set()
         self.wires: dict[str, torch.Tensor | None] = {}
+        self.held = {}
         # per tensor, its ops not yet unpacked (where the codec decodes) and not yet packed (where packing releases)
         self.ops_left = {} if self.as_they_are else dict(self.op_counts)
         self.packs_left = dict(self.op_counts) if self.releases_gradients else {}
@@ -351,6 +355,9 @@ class PlanExecutor:
         for state in self.ops:
             state.waiting_for.clear()
         self._launch_ready()
+        if self.in_flight_watch is not None and not self.releases_gradients and not self.channels.forests:
+            for state in self.ops:
+                self._hold_for_watch(state)
 
     def _launch_ready(self) -> None:
         for channel, indices in self.order.items():
@@ -394,9 +401,6 @@ class PlanExecutor:
         with _profiled(f"gradsync::encode {state.label}"):
             self._pack(state)
         state.launched_at = time.perf_counter()
-        state.launched_version = state.buffer._version if self.buffer_watch is not None else None
-        state.held = None if self.buffer_watch is None or _resident(state) else [
-            (grad, grad._version if grad is not None else 0) for grad in (p.grad for p in state.parameters)]
         with _profiled(f"gradsync::launch {state.label}"):
             if self.codec.collective == "allgather":
                 state.gathered = [torch.empty_like(state.buffer) for _ in range(self.channels.world_size)]
@@ -409,6 +413,38 @@ class PlanExecutor:
                 state.work = self.channels.all_reduce(state.channel, state.buffer)
         if self.times_ops and not self.timed_on_device and state.completes_unwatched:
             self._note_completion(index, state.work)
+
+    def _hold_for_watch(self, state: _OpState) -> None:
+        """What `_changed_in_flight` compares at the step, read once the backward pass is over and
+        every op launched: the buffer's version counter where the op's gradients are its spans, else
+        each gradient and its counter. Not before: gradients that are views of one buffer (a fused
+        op's, as `_land` leaves them) share its counter, which each one accumulating moves."""
+        if _resident(state):
+            state.watched_version = state.buffer._version
+            return
+        for name, parameter in zip(state.tensors, state.parameters):
+            self.held[name] = _with_version(parameter.grad)
+
+    def refuse_changed_in_flight(self) -> None:
+        """Call `in_flight_watch` (which raises) with the first op launched and not yet collected whose
+        gradients changed since its launch: before the step or a read of the gradients collects any,
+        so that a refused step lands nothing and applies no update, deferred ones included. Once an
+        iteration: after a refusal the ops land as they are (the next zero_grad waits for them)."""
+        if self.in_flight_watch is None:
+            return
+        for state in self.ops:
+            if state.work is not None and not state.done and self._changed_in_flight(state):
+                watch, self.in_flight_watch = self.in_flight_watch, None
+                watch(state.label)
+
+    def _changed_in_flight(self, state: _OpState) -> bool:
+        """Whether the op's gradients were written since the backward pass ended (by a pass after it, or
+        in place): its buffer's version counter moved (gradients that are its spans), or a gradient held
+        then was replaced, or written in place (`held`). The backends write the buffer without moving it."""
+        if state.watched_version is not None and state.buffer._version != state.watched_version:
+            return True
+        return any(_changed_since(parameter.grad, *self.held[name])
+                   for name, parameter in zip(state.tensors, state.parameters) if name in self.held)
 
     def _pack(self, state: _OpState) -> None:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
@@ -498,9 +534,6 @@ class PlanExecutor:
         """Op `index`'s collective has completed: unpack it and let the codec write the tensors
         whose ops are all done."""
         state = self.ops[index]
-        if self.buffer_watch is not None and state.launched_version is not None and _changed_since_launch(state):
-            watch, self.buffer_watch = self.buffer_watch, None  # refused once: the gradients of this op and
-            watch(state.label)  # of the others are landed as they are after it
         state.done = True
         self.ops_open -= 1
         if self.times_ops and not self.done_at[index]:  # its future's callback has not run, or there is none
@@ -600,7 +633,7 @@ class PlanExecutor:
 
     def watchable(self) -> bool:
         """Whether a backward pass that writes the gradients of an op in flight shows at its collection
-        (``buffer_watch``; ``runtime.output_start``, step 3): every slice a whole gradient sent as it is
+        (``in_flight_watch``; ``runtime.output_start``, step 3): every slice a whole gradient sent as it is
         (the buffer's span stands in for it, or holds its scaled copy), none released."""
         return not self.releases_gradients and all(None not in state.direct for state in self.ops)
 
@@ -647,16 +680,16 @@ def _resident(state: _OpState) -> bool:
     return state.fused_data is not None and _in_their_spans(state)
 
 
-def _changed_since_launch(state: _OpState) -> bool:
-    """Whether the op's gradients were written after its launch (by a backward pass, or in place):
-    its buffer's version counter moved (a gradient that is its span), or a gradient held at launch
-    was replaced, or written in place (``_OpState.held``). The backends write the buffer without
-    moving it."""
-    if state.buffer._version != state.launched_version:
-        return True
-    return state.held is not None and any(
-        parameter.grad is not grad or (grad is not None and grad._version != version)
-        for parameter, (grad, version) in zip(state.parameters, state.held))
+def _with_version(grad: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """A gradient (None where unused) and its version counter, as the watch of gradients in flight
+    holds them (``PlanExecutor.held``)."""
+    return grad, grad._version if grad is not None else 0
+
+
+def _changed_since(grad: torch.Tensor | None, held: torch.Tensor | None, version: int) -> bool:
+    """Whether a parameter's gradient `grad` replaced the one `held`, or was written since its
+    version counter read `version`."""
+    return grad is not held or (grad is not None and grad._version != version)
 
 
 def _in_their_spans(state: _OpState, grads=None) -> bool:

@@ -19,9 +19,10 @@ launch before the pass ends stay:
    parameters alone) writes the gradients of ops launched: into an op's buffer where a gradient is
    its span (a fused op's, after ``zero_gradients_in_place``), which moves the buffer's version
    counter, else into the gradient the op read at its launch, which moves that one's counter or
-   replaces it. An op finding either at its collection refuses (``PlanExecutor.buffer_watch``
-   raises `GradientsChangedInFlight`), and so does a step after such a pass alone; either returns
-   the runtime to the hooks for good.
+   replaces it. The step (or a read of the gradients: ``optimizer.synchronize()``) finding either
+   on an op not yet collected refuses (``PlanExecutor.refuse_changed_in_flight``: the same watch
+   refuses gradients changed in place, in every mode), and so does a step after such a pass alone;
+   either returns the runtime to the hooks for good.
 The outputs begin only after a synchronised pass in which the outputs' first gradient came before
 any parameter's and the graph named the parameters whose hooks then ran, every one of them; and
 not where the gradients are read before the step (``GradSync.flush``, a front-end's
@@ -33,10 +34,6 @@ from __future__ import annotations
 from itertools import compress
 
 import torch
-
-
-class GradientsChangedInFlight(RuntimeError):
-    """A gradient accumulated into an op's buffer while the op was in flight (step 3)."""
 
 
 class OutputStart:

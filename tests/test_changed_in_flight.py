@@ -1,0 +1,90 @@
+"""Gradients changed while their ops are in flight (clipped, or unscaled by a GradScaler, before
+``optimizer.synchronize()``) are refused at the op's collection, in every mode the runtime runs: the
+averages would overwrite the change, a silent wrong step. The iterations here begin at each
+parameter's gradient (the first ones, and the plans that keep those hooks); ``test_output_start``
+covers the iterations begun at the model's outputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync import GradientsChangedInFlight
+from gradsync.launch import run_local
+from gradsync.runtime import attached
+from runtime_models import COST
+from test_output_start import Chain, chain_profile
+
+# (scheduler, options): what the plan's ops carry
+PLANS = {
+    "one_fused_op": ("ddp", {}),
+    "an_op_a_layer": ("wfbp", {}),
+    "tensors_split_over_several_ops": ("bytescheduler", {"partition_bytes": 256}),
+    "compressed_in_one_round": ("wfbp", {"compressor": {"type": "acp_sgd", "rank": 2, "start_iter": 0}}),
+    "compressed_in_two_rounds": ("wfbp", {"compressor": {"type": "powersgd", "rank": 2, "start_iter": 0}}),
+    "waits_deferred_to_the_next_forward": ("us_byte", {"overlap_forward": True}),
+}
+# (ByteScheduler's blocks sent after the backward pass are waited for at the next forward)
+DEFERRED = ("tensors_split_over_several_ops", "waits_deferred_to_the_next_forward")
+# the first iteration begins at each parameter's gradient under every plan, and its gradients are
+# copied into the buffers; a later one begins at the outputs where the plan lets it, its gradients
+# the buffer's spans in the one fused op (``test_output_start`` covers the refusals particular to it)
+STEPS = ["clipped", "plain", "plain", "plain", "clipped", "plain", "plain"]
+
+
+def steps_with_clipped_ones(rank: int, world_size: int, scheduler: str, options: dict) -> dict:
+    """Per step of `STEPS`: whether it began at the outputs, the refusal it raised (None), and
+    whether its update changed the parameters (deferred updates included: compared just before the
+    next step's); a refused step is followed by ``optimizer.zero_grad()``, as the message asks. Also
+    the shape of the plan: tensors split, waits deferred, rounds a step, ops a round."""
+    torch.manual_seed(0)
+    model = Chain()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
+                                     profile=chain_profile(model), cost=COST, **options)
+    sync = attached(model)
+    record, before_steps = [], []
+    for step, kind in enumerate(STEPS):
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        at_outputs, error = sync.begins_at_outputs, None
+        optimizer.zero_grad()
+        F.cross_entropy(model(inputs)["logits"], targets).backward()
+        if kind == "clipped":  # without optimizer.synchronize(): the local gradients, in flight
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        before_steps.append([parameter.detach().clone() for parameter in model.parameters()])
+        try:
+            optimizer.step()
+        except GradientsChangedInFlight as refused:
+            error = str(refused)
+        record.append([at_outputs, error])
+    sync.flush()
+    before_steps.append(list(model.parameters()))
+    for entry, before, after in zip(record, before_steps, before_steps[1:]):
+        entry.append(any(not torch.equal(b, a) for b, a in zip(before, after)))
+    plans = sync.installed.plans.values()
+    shape = {"split": any(len(ops) > 1 for ops in sync.executor.ops_of_tensor.values()),
+             "deferred": any(op.gates_forward for plan in plans for op in plan.ops),
+             "rounds": len(sync.rounds_now), "ops": len(sync.executor.ops)}
+    sync.detach()
+    return {"steps": record, **shape}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_gradients_clipped_before_synchronize_are_refused_and_training_goes_on(plan):
+    """Refused at the step, before any op is collected: the step changes no parameter (a deferred
+    update included), and the steps after it train."""
+    scheduler, options = PLANS[plan]
+    first, second = run_local(steps_with_clipped_ones, 2, scheduler, options, timeout=120)
+    assert first["steps"] == second["steps"]
+    assert (first["split"], first["deferred"], first["rounds"], first["ops"] == 1) == (
+        plan == "tensors_split_over_several_ops", plan in DEFERRED,
+        2 if plan == "compressed_in_two_rounds" else 1, plan == "one_fused_op")
+    at_outputs = [at for at, _, _ in first["steps"]]
+    later = STEPS.index("clipped", 1)  # refused at the outputs, where the plan lets them begin: hooks from then on
+    assert not any(at_outputs[:1] + at_outputs[later + 1:])
+    assert at_outputs[later] == (plan in ("one_fused_op", "an_op_a_layer")) or not any(at_outputs)
+    for step, (at_outputs, error, changed) in enumerate(first["steps"]):
+        if STEPS[step] == "clipped":
+            assert "optimizer.synchronize()" in error and not changed, step
+            assert ("accumulated into gradients being averaged" if at_outputs else "were changed before") in error
+        else:
+            assert error is None and changed, step
