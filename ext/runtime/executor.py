@@ -427,7 +427,7 @@ class PlanExecutor:
 
     def refuse_changed_in_flight(self) -> None:
         """Call `in_flight_watch` (which raises) with the first op launched and not yet collected whose
-        gradients changed since its launch: before the step or a read of the gradients collects any,
+        gradients changed since the backward pass ended: before the step or a read of the gradients collects any,
         so that a refused step lands nothing and applies no update, deferred ones included. Once an
         iteration: after a refusal the ops land as they are (the next zero_grad waits for them)."""
         if self.in_flight_watch is None:
@@ -632,7 +632,7 @@ class PlanExecutor:
         return zeroed
 
     def watchable(self) -> bool:
-        """Whether a backward pass that writes the gradients of an op in flight shows at its collection
+        """Whether a backward pass that writes the gradients of an op in flight shows at the step
         (``in_flight_watch``; ``runtime.output_start``, step 3): every slice a whole gradient sent as it is
         (the buffer's span stands in for it, or holds its scaled copy), none released."""
         return not self.releases_gradients and all(None not in state.direct for state in self.ops)

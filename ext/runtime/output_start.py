@@ -18,7 +18,7 @@ launch before the pass ends stay:
 3. a later backward pass that bypasses the outputs (a loss on a submodule's output or on the
    parameters alone) writes the gradients of ops launched: into an op's buffer where a gradient is
    its span (a fused op's, after ``zero_gradients_in_place``), which moves the buffer's version
-   counter, else into the gradient the op read at its launch, which moves that one's counter or
+   counter, else into the gradient it held when the pass ended, which moves that one's counter or
    replaces it. The step (or a read of the gradients: ``optimizer.synchronize()``) finding either
    on an op not yet collected refuses (``PlanExecutor.refuse_changed_in_flight``: the same watch
    refuses gradients changed in place, in every mode), and so does a step after such a pass alone;
