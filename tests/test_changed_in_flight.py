@@ -31,13 +31,15 @@ DEFERRED = ("tensors_split_over_several_ops", "waits_deferred_to_the_next_forwar
 STEPS = ["clipped", "plain", "plain", "plain", "clipped", "plain", "plain"]
 
 
-def steps_with_clipped_ones(rank: int, world_size: int, scheduler: str, options: dict) -> dict:
+def steps_with_clipped_ones(rank: int, world_size: int, scheduler: str, options: dict, device: str = "cpu") -> dict:
     """Per step of `STEPS`: whether it began at the outputs, the refusal it raised (None), and
     whether its update changed the parameters (deferred updates included: compared just before the
     next step's); a refused step is followed by ``optimizer.zero_grad()``, as the message asks. Also
     the shape of the plan: tensors split, waits deferred, rounds a step, ops a round."""
     torch.manual_seed(0)
-    model = Chain()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    model = Chain().to(device)
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
                                      profile=chain_profile(model), cost=COST, **options)
     sync = attached(model)
@@ -45,6 +47,7 @@ def steps_with_clipped_ones(rank: int, world_size: int, scheduler: str, options:
     for step, kind in enumerate(STEPS):
         generator = torch.Generator().manual_seed(100 * rank + step)
         inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        inputs, targets = inputs.to(device), targets.to(device)
         at_outputs, error = sync.begins_at_outputs, None
         optimizer.zero_grad()
         F.cross_entropy(model(inputs)["logits"], targets).backward()
@@ -75,16 +78,32 @@ def test_gradients_clipped_before_synchronize_are_refused_and_training_goes_on(p
     scheduler, options = PLANS[plan]
     first, second = run_local(steps_with_clipped_ones, 2, scheduler, options, timeout=120)
     assert first["steps"] == second["steps"]
+    check_refusals(first["steps"], plan)
     assert (first["split"], first["deferred"], first["rounds"], first["ops"] == 1) == (
         plan == "tensors_split_over_several_ops", plan in DEFERRED,
         2 if plan == "compressed_in_two_rounds" else 1, plan == "one_fused_op")
-    at_outputs = [at for at, _, _ in first["steps"]]
+
+
+def check_refusals(record: list, plan: str) -> None:
+    """Each clipped step refused, with the message of the mode it began in, and no parameter
+    changed by it; every other step trained."""
+    at_outputs = [at for at, _, _ in record]
     later = STEPS.index("clipped", 1)  # refused at the outputs, where the plan lets them begin: hooks from then on
     assert not any(at_outputs[:1] + at_outputs[later + 1:])
-    assert at_outputs[later] == (plan in ("one_fused_op", "an_op_a_layer")) or not any(at_outputs)
-    for step, (at_outputs, error, changed) in enumerate(first["steps"]):
+    assert at_outputs[later] == (plan in ("one_fused_op", "an_op_a_layer"))
+    for step, (at_outputs, error, changed) in enumerate(record):
         if STEPS[step] == "clipped":
             assert "optimizer.synchronize()" in error and not changed, step
             assert ("accumulated into gradients being averaged" if at_outputs else "were changed before") in error
         else:
             assert error is None and changed, step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ["one_fused_op", "compressed_in_two_rounds", "waits_deferred_to_the_next_forward"])
+def test_gradients_clipped_before_synchronize_are_refused_on_cuda_over_nccl(plan):
+    """NCCL writes the op buffers without moving their version counters, nor those of the
+    gradients that are their views: only the clipping shows."""
+    scheduler, options = PLANS[plan]
+    result, = run_local(steps_with_clipped_ones, 1, scheduler, options, "cuda", backend="nccl", timeout=300)
+    check_refusals(result["steps"], plan)
