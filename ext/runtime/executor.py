@@ -34,6 +34,7 @@ from ..compress.gradients import checksum, decoded_may_overflow, every_element_f
 from ..errors import ConfigError
 from ..plan import BACKWARD, REDUCE_SCATTER, Plan, ops_by_channel
 from .channels import Channels
+from .in_flight import GradientVersions
 from .op_buffers import SharedOpBuffers
 from .partition import Partition
 
@@ -79,7 +80,6 @@ class _OpState:
     # the summed used flags they give (the check after the collective is then one comparison)
     reduced_flags_all_used: torch.Tensor | None = None
     used_by_every_rank: dict[str, float] = field(default_factory=dict)
-    watched_version: int | None = None  # its buffer's version counter at the backward pass's end, where watched
     # found complete when first waited for, while its completion was timed: from then on its future's
     # callback times it (``PlanExecutor._note_completion``)
     completes_unwatched: bool = False
@@ -137,14 +137,10 @@ class PlanExecutor:
         self.order = ops_by_channel(plan.ops)
         self.times_ops = False  # time the communication for the cost watch (`time_ops`)
         # where set, called (and raising) with the op's label when an op's gradients changed in flight
-        # (`refuse_changed_in_flight`): a backward pass no hook saw (``output_start``), or the gradients
-        # changed in place (clipped) before they were averaged. Not where each gradient is released once
-        # copied in, nor over the forest transport, which writes the buffers (and the gradients that are
-        # their views, as `_land` leaves them) with torch's own ops: those move their version counters
+        # (``runtime.in_flight``): a backward pass no hook saw (``output_start``), or the gradients changed
+        # in place (clipped) before they were averaged
         self.in_flight_watch: Callable[[str], None] | None = None
-        # per tensor of an op whose gradients are not its buffer's spans, while watched: its gradient at the
-        # backward pass's end (None where unused) and its version counter then
-        self.held: dict[str, tuple[torch.Tensor | None, int]] = {}
+        self.versions: GradientVersions | None = None  # read as the backward pass ended, where watched
         self.busy_times: list[float] = []  # per finished iteration, its communication's busy time, until taken
         self.done_at: list[float] = []  # when each op of the iteration under way completed (0: not yet)
         self.start_iteration(0)
@@ -322,12 +318,12 @@ class PlanExecutor:
         self.encode_seconds = 0.0
         for state in self.ops:
             state.waiting_for = set(state.tensors)
-            state.work, state.done, state.watched_version = None, False, None
+            state.work, state.done = None, False
         self.cursor = {channel: 0 for channel in self.order}
         self.ready: set[str] = set(ready or ())
         self.zeroed_in_place = zeroed_in_place or set()
         self.wires: dict[str, torch.Tensor | None] = {}
-        self.held = {}
+        self.versions = None
         # per tensor, its ops not yet unpacked (where the codec decodes) and not yet packed (where packing releases)
         self.ops_left = {} if self.as_they_are else dict(self.op_counts)
         self.packs_left = dict(self.op_counts) if self.releases_gradients else {}
@@ -356,8 +352,12 @@ class PlanExecutor:
             state.waiting_for.clear()
         self._launch_ready()
         if self.in_flight_watch is not None and not self.releases_gradients and not self.channels.forests:
-            for state in self.ops:
-                self._hold_for_watch(state)
+            self.versions = GradientVersions()
+            for index, state in enumerate(self.ops):
+                if _resident(state):
+                    self.versions.hold_buffer(index, state.buffer)
+                else:
+                    self.versions.hold_gradients(state.tensors, state.parameters)
 
     def _launch_ready(self) -> None:
         for channel, indices in self.order.items():
@@ -414,37 +414,17 @@ class PlanExecutor:
         if self.times_ops and not self.timed_on_device and state.completes_unwatched:
             self._note_completion(index, state.work)
 
-    def _hold_for_watch(self, state: _OpState) -> None:
-        """What `_changed_in_flight` compares at the step, read once the backward pass is over and
-        every op launched: the buffer's version counter where the op's gradients are its spans, else
-        each gradient and its counter. Not before: gradients that are views of one buffer (a fused
-        op's, as `_land` leaves them) share its counter, which each one accumulating moves."""
-        if _resident(state):
-            state.watched_version = state.buffer._version
-            return
-        for name, parameter in zip(state.tensors, state.parameters):
-            self.held[name] = _with_version(parameter.grad)
-
     def refuse_changed_in_flight(self) -> None:
-        """Call `in_flight_watch` (which raises) with the first op launched and not yet collected whose
-        gradients changed since the backward pass ended: before the step or a read of the gradients collects any,
-        so that a refused step lands nothing and applies no update, deferred ones included. Once an
-        iteration: after a refusal the ops land as they are (the next zero_grad waits for them)."""
-        if self.in_flight_watch is None:
+        """Call `in_flight_watch` (which raises) with the first op in flight whose gradients changed
+        since the backward pass ended (``runtime.in_flight``), before the step or a read of the
+        gradients collects any. Once an iteration: after a refusal the ops land as they are (the
+        next zero_grad waits for them)."""
+        if self.in_flight_watch is None or self.versions is None:
             return
-        for state in self.ops:
-            if state.work is not None and not state.done and self._changed_in_flight(state):
+        for index, state in enumerate(self.ops):
+            if state.work is not None and not state.done and self.versions.changed(index, state):
                 watch, self.in_flight_watch = self.in_flight_watch, None
                 watch(state.label)
-
-    def _changed_in_flight(self, state: _OpState) -> bool:
-        """Whether the op's gradients were written since the backward pass ended (by a pass after it, or
-        in place): its buffer's version counter moved (gradients that are its spans), or a gradient held
-        then was replaced, or written in place (`held`). The backends write the buffer without moving it."""
-        if state.watched_version is not None and state.buffer._version != state.watched_version:
-            return True
-        return any(_changed_since(parameter.grad, *self.held[name])
-                   for name, parameter in zip(state.tensors, state.parameters) if name in self.held)
 
     def _pack(self, state: _OpState) -> None:
         """Encode the op's tensors into its buffer, then the used flags and the non-finite flag."""
@@ -678,18 +658,6 @@ def _resident(state: _OpState) -> bool:
     """Whether the op is fused and every gradient is its span of the buffer (as `_land` and
     ``zero_gradients_in_place`` leave them): a backward pass accumulates into the buffer."""
     return state.fused_data is not None and _in_their_spans(state)
-
-
-def _with_version(grad: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """A gradient (None where unused) and its version counter, as the watch of gradients in flight
-    holds them (``PlanExecutor.held``)."""
-    return grad, grad._version if grad is not None else 0
-
-
-def _changed_since(grad: torch.Tensor | None, held: torch.Tensor | None, version: int) -> bool:
-    """Whether a parameter's gradient `grad` replaced the one `held`, or was written since its
-    version counter read `version`."""
-    return grad is not held or (grad is not None and grad._version != version)
 
 
 def _in_their_spans(state: _OpState, grads=None) -> bool:

@@ -20,7 +20,7 @@ launch before the pass ends stay:
    its span (a fused op's, after ``zero_gradients_in_place``), which moves the buffer's version
    counter, else into the gradient it held when the pass ended, which moves that one's counter or
    replaces it. The step (or a read of the gradients: ``optimizer.synchronize()``) finding either
-   on an op not yet collected refuses (``PlanExecutor.refuse_changed_in_flight``: the same watch
+   on an op not yet collected refuses (``runtime.in_flight``: the same watch
    refuses gradients changed in place, in every mode), and so does a step after such a pass alone;
    either returns the runtime to the hooks for good.
 The outputs begin only after a synchronised pass in which the outputs' first gradient came before
