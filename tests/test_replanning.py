@@ -14,11 +14,11 @@ from gradsync.cost import CostModel
 from gradsync.launch import run_local
 from gradsync.runtime.channels import Channels
 from gradsync.runtime.executor import PlanExecutor
-from gradsync.runtime.measure.cost_watch import (AGREE, DRIFT, FLOOR, MAX_REFERENCE_WINDOWS, PERSIST,
+from gradsync.runtime.measure.cost_watch import (AGREE, DRIFT, FLOOR, MAX_REFERENCE_WINDOWS, NOTICEABLE, PERSIST,
                                                  REFERENCE_WINDOWS, WINDOW, CostWatch, per_byte_change)
 
 A, B = 1e-4, 1e-9
-SIZES = (4_000, 40_000, 400_000)  # the ops of an iteration, bytes
+SIZES = (40_000, 400_000, 4_000_000)  # the ops of an iteration, bytes (8 ms of busy time)
 LAYOUTS = [("plain", sum(SIZES))]
 CONTENTION = 1.7  # the computation beside the ops slows them by this factor
 SETTLED = REFERENCE_WINDOWS * WINDOW  # iterations a watch times before its first comparison
@@ -87,6 +87,21 @@ def test_one_slow_window_a_small_drift_or_an_insignificant_change_is_not_a_chang
     # 4x slower, beside an iteration a hundred times as long as the communication
     slower = start + [busy(extra_b=3 * B)] * (4 * WINDOW)
     assert watch_over(slower, times=lambda measured: 100 * iteration_time(measured)) == []
+
+
+def test_sub_millisecond_ops_stretched_by_the_hosts_noise_are_no_change_of_the_link():
+    """Windows at 2.0 and 1.5 ms against a reference of 0.38 ms (as measured on 2 loopback ranks
+    on a busy host): past DRIFT and SIGNIFICANT of a 4 ms iteration, under NOTICEABLE; the same
+    windows ten times as long are a change."""
+    reference = 0.38e-3
+
+    def windows(scale: float):
+        steady = [[("plain", scale * reference)]] * SETTLED
+        noisy = [[("plain", scale * seconds)] for seconds in (2.0e-3, 1.5e-3, 1.5e-3) for _ in range(WINDOW)]
+        return steady + noisy + steady[:WINDOW]
+    assert 1.5e-3 - reference < NOTICEABLE <= 10 * (1.5e-3 - reference)
+    assert watch_over(windows(1), times=lambda _: 4e-3) == []
+    assert watch_over(windows(10), times=lambda _: 40e-3) != []
 
 
 def test_a_faster_link_is_refitted_too_and_the_least_time_over_the_ranks_decides():

@@ -19,8 +19,12 @@ model re-fitted from those times when the network changes.
    longer than the probes' isolated a + b·m; comparing a plan with itself leaves that out. In every
    later window, the drift is the summed layouts' times over their summed references.
 3. The network changed when the drift is past `DRIFT` either way (slower or faster by that factor)
-   and the change is at least `SIGNIFICANT` of the iteration time, in `PERSIST` windows running,
-   the same way. A link whose rate changes adds (or takes) wire time in proportion to the bytes,
+   and the change is at least `SIGNIFICANT` of the iteration time and `NOTICEABLE` seconds, in
+   `PERSIST` windows running, the same way. The floor in seconds keeps a model whose ops take
+   a fraction of a millisecond from re-planning on the host's noise: a gloo thread that waits a
+   scheduler's time slice for a core on a busy host stretches such ops several times over (on 2
+   loopback ranks, windows at 2.0 and 1.5 ms against a reference of 0.38 ms re-planned about one
+   run in six), while a link whose rate changes moves them by milliseconds. A link whose rate changes adds (or takes) wire time in proportion to the bytes,
    so the per-byte term moves by the summed change over the summed bytes (``per_byte_change``);
    the latency a stays as probed (the ops' sharing of the link hides its change). Every
    collective's b moves in that proportion (``CostModel.rescaled_b``).
@@ -42,6 +46,7 @@ from ..over_ranks import PendingReduction, StartReduction
 WINDOW = 8  # iterations per comparison, reduced with the other watchers' and read at the next iteration
 DRIFT = 1.5  # the communication this many times slower (or faster) than its reference...
 SIGNIFICANT = 0.10  # ...by at least this fraction of the iteration time...
+NOTICEABLE = 2e-3  # ...and this many seconds an iteration...
 PERSIST = 2  # ...in this many windows running: the cost is re-fitted
 FLOOR = 0.01  # a re-fitted b keeps at least this fraction of what it was
 REFERENCE_WINDOWS = 2  # this many windows running that agree form the reference...
@@ -160,7 +165,7 @@ class CostWatch:
         if before <= 0 or iteration <= 0:
             return None
         self.drift = now / before
-        significant = abs(now - before) >= SIGNIFICANT * iteration
+        significant = abs(now - before) >= max(SIGNIFICANT * iteration, NOTICEABLE)
         direction = (1 if self.drift >= DRIFT else -1 if self.drift <= 1 / DRIFT else 0) if significant else 0
         same_way = direction != 0 and self.drifting * direction >= 0
         self.drifting = self.drifting + direction if same_way else direction
