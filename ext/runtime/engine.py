@@ -445,7 +445,8 @@ class GradSync:
         self.deferred.apply_all(self.executor)
 
     def flush(self) -> None:
-        """Wait for every launched op and apply every deferred update. Gradients read before the
+        """Wait for every launched op and apply every deferred update; gradients changed since the
+        backward pass ended are refused first (``runtime.in_flight``). Gradients read before the
         step (clipped, checked) end the iterations begun at the outputs: a later pass that bypassed
         them would add to averaged gradients that no op watches any more (``output_start``)."""
         if self.executor is not None and self.backward_synced:

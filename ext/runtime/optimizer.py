@@ -102,7 +102,8 @@ class SyncedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish every outstanding op and deferred update now (before reading all gradients,
-        clipping them, or checkpointing)."""
+        clipping them, or checkpointing). Gradients changed before it, while their ops were in
+        flight, raise ``gradsync.GradientsChangedInFlight``."""
         self.sync.flush()
 
     def state_dict(self):
