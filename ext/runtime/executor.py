@@ -357,7 +357,7 @@ class PlanExecutor:
                 if _resident(state):
                     self.versions.hold_buffer(index, state.buffer)
                 else:
-                    self.versions.hold_gradients(state.tensors, state.parameters)
+                    self.versions.hold_gradients(index, state.parameters)
 
     def _launch_ready(self) -> None:
         for channel, indices in self.order.items():
