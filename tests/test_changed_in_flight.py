@@ -1,6 +1,6 @@
 """Gradients changed while their ops are in flight (clipped, or unscaled by a GradScaler, before
-``optimizer.synchronize()``) are refused at the op's collection, in every mode the runtime runs: the
-averages would overwrite the change, a silent wrong step. The iterations here begin at each
+``optimizer.synchronize()``) are refused at the step, before any op is collected, in every mode the
+runtime runs: the averages would overwrite the change, a silent wrong step. The iterations here begin at each
 parameter's gradient (the first ones, and the plans that keep those hooks); ``test_output_start``
 covers the iterations begun at the model's outputs."""
 import pytest

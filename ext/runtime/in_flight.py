@@ -9,8 +9,8 @@ So (``PlanExecutor.refuse_changed_in_flight``):
 
 1. once the backward pass is over and every op launched, `GradientVersions` holds each op's buffer's
    version counter where the op's gradients are its buffer's spans, else its gradients and the sum
-   of their counters. Not before: gradients that are views of one buffer (a fused op's, as the executor lands
-   them) share its counter, which each of them accumulating moves;
+   of their counters. Not before: gradients that are views of one buffer (a fused op's, as the
+   executor lands them) share its counter, which each of them accumulating moves;
 2. at the step, or at ``optimizer.synchronize()``, before any op is collected, each op in flight is
    compared with them; the first that changed is refused, so that a refused step lands nothing and
    applies no update, deferred ones included.

@@ -24,10 +24,11 @@ model re-fitted from those times when the network changes.
    a fraction of a millisecond from re-planning on the host's noise: a gloo thread that waits a
    scheduler's time slice for a core on a busy host stretches such ops several times over (on 2
    loopback ranks, windows at 2.0 and 1.5 ms against a reference of 0.38 ms re-planned about one
-   run in six), while a link whose rate changes moves them by milliseconds. A link whose rate changes adds (or takes) wire time in proportion to the bytes,
-   so the per-byte term moves by the summed change over the summed bytes (``per_byte_change``);
-   the latency a stays as probed (the ops' sharing of the link hides its change). Every
-   collective's b moves in that proportion (``CostModel.rescaled_b``).
+   run in six), while a link whose rate changes moves them by milliseconds. A link whose rate
+   changes adds (or takes) wire time in proportion to the bytes, so the per-byte term moves by
+   the summed change over the summed bytes (``per_byte_change``); the latency a stays as probed
+   (the ops' sharing of the link hides its change). Every collective's b moves in that proportion
+   (``CostModel.rescaled_b``).
 4. The runtime plans again on the re-fitted cost (a choosing planner times its new choice against
    the plans that ran), every rank at the same iteration, the plans' hashes checked as at wrap
    time (``runtime.installed``).
