@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.head_to_head import Transformer, tokens
+from benchmarks.head_to_head.workloads import Transformer, tokens
 from benchmarks.netbed import launch, netbed, uniform
 
 OUT = Path(__file__).parent / "results" / "deepspeed_zero.md"

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from gradsync.runtime.channels import Channels
 from gradsync.runtime.measure.probes import measure_cost, measure_host, slowdowns_of
 
-from benchmarks.head_to_head import WORKLOADS
+from benchmarks.head_to_head.workloads import WORKLOADS
 from benchmarks.netbed import RATE_PRESETS, NetbedUnavailable, launch, netbed, uniform
 
 RESULTS = Path(__file__).parent / "results"

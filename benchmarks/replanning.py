@@ -30,10 +30,11 @@ import torch
 import gradsync
 from gradsync.runtime import attached
 
-from .head_to_head import EMULATED_MODELS, EMULATED_SIZE_SCALE, LEARNING_RATE, RESULTS, WORKLOADS
+from .head_to_head.workloads import EMULATED_MODELS, EMULATED_SIZE_SCALE, LEARNING_RATE, WORKLOADS
 from .netbed import NetbedUnavailable, NetSpec, launch, netbed, rate_commands, uniform
 from .netbed.bed import run_commands
 
+RESULTS = Path(__file__).parent / "results"
 WITHIN = 0.05  # the target: within 5% of a fresh run at the new rate...
 SETTLE_TARGET = 50  # ...within this many iterations of the change
 SMOOTHING = 5  # iterations in the running median compared with the fresh run

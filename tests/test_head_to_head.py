@@ -11,11 +11,14 @@ import statistics
 
 import pytest
 
-from benchmarks.head_to_head import (COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS, DecisionLog,
-                                     RowResult, Setting, Variant, balanced_order, cost_line, decision_lines,
-                                     default_rows, held_out_best, median_cost, median_interval, paired_ratio,
-                                     replay_file, round_order, round_times, setting_table, steal_note,
-                                     stolen_cpu_seconds, summarise, targets)
+from benchmarks.head_to_head.job import DecisionLog, Variant, balanced_order, round_order
+from benchmarks.head_to_head.report import (cost_line, decision_lines, replay_file, setting_table, steal_note,
+                                            stolen_cpu_seconds)
+from benchmarks.head_to_head.results import (RowResult, Setting, held_out_best, median_cost, median_interval,
+                                             paired_ratio, round_times, summarise)
+from benchmarks.head_to_head.rows import COMPUTE_ONLY, ON_REQUEST_ROWS, OVERHEAD_PAIRS, ROWS, TOPOLOGY_ROWS
+from benchmarks.head_to_head.targets import targets
+from benchmarks.head_to_head.driver import default_rows
 from benchmarks.simulator_replay import replay_record, replayed_prediction
 from gradsync import compress, planners
 from gradsync.planning import predict_cycle
@@ -351,7 +354,8 @@ def test_the_stored_record_keeps_every_rows_blocks_for_pairing_them_again():
 
 
 def test_emulated_runs_time_longer_blocks_unless_told():
-    from benchmarks.head_to_head import BLOCK, EMULATED_BLOCK, parser, with_defaults
+    from benchmarks.head_to_head.driver import parser, with_defaults
+    from benchmarks.head_to_head.job import BLOCK, EMULATED_BLOCK
 
     def block(*argv):
         return with_defaults(parser().parse_args(list(argv))).block
@@ -361,7 +365,7 @@ def test_emulated_runs_time_longer_blocks_unless_told():
 
 
 def test_emulated_runs_leave_auto_s_follow_ups_to_the_timed_rounds_unless_told():
-    from benchmarks.head_to_head import EMULATED_FOLLOW_UP_STEPS, FOLLOW_UP_STEPS, parser, with_defaults
+    from benchmarks.head_to_head.driver import EMULATED_FOLLOW_UP_STEPS, FOLLOW_UP_STEPS, parser, with_defaults
 
     def steps(*argv):
         return with_defaults(parser().parse_args(list(argv))).follow_up_steps
@@ -424,7 +428,7 @@ def test_an_emulated_workload_takes_its_profiles_time_without_a_core_and_trains_
 
     import torch
 
-    from benchmarks.head_to_head import EMULATED_DEVICE, EMULATED_SIZE_SCALE, WORKLOADS, Variant
+    from benchmarks.head_to_head.workloads import EMULATED_DEVICE, EMULATED_SIZE_SCALE, WORKLOADS
 
     workload = WORKLOADS["emulated_resnet50"]
     model = workload.build_model()
@@ -446,7 +450,7 @@ def test_an_emulated_workload_takes_its_profiles_time_without_a_core_and_trains_
 
 
 def test_the_host_line_gives_the_ranks_cpu_use_and_the_steal():
-    from benchmarks.head_to_head import host_line
+    from benchmarks.head_to_head.report import host_line
 
     line = host_line([{"cpu_share": 0.2}, {"cpu_share": 0.4}], stolen=2.0, seconds=100.0)
     cores = os.cpu_count()
@@ -455,7 +459,7 @@ def test_the_host_line_gives_the_ranks_cpu_use_and_the_steal():
 
 
 def test_the_emulated_targets_compare_mg_wfbp_with_wfbp_and_the_papers_pairs():
-    from benchmarks.head_to_head import emulated_targets
+    from benchmarks.head_to_head.targets import emulated_targets
 
     seconds = {"ddp": 1.2, "wfbp": 1.3, "mg_wfbp": 1.0, "asc_wfbp": 0.8, "bytescheduler": 1.1, "us_byte": 1.0}
     results = {ROWS[key].label: RowResult(ROWS[key].label, value, (value,), None, None, None)
@@ -479,7 +483,8 @@ def test_the_emulated_targets_compare_mg_wfbp_with_wfbp_and_the_papers_pairs():
 def test_slow_motion_stretches_an_emulated_models_times_and_the_rate_it_stands_for():
     """--time-scale k: every layer's forward and backward time ×k, the tensors unchanged; a link of
     R Gbit/s then stands for R × k / size scale Gbit/s at the device's speed, and the report says so."""
-    from benchmarks.head_to_head import EMULATED_SIZE_SCALE, WORKLOADS, workload_notes
+    from benchmarks.head_to_head.report import workload_notes
+    from benchmarks.head_to_head.workloads import EMULATED_SIZE_SCALE, WORKLOADS
 
     workload = WORKLOADS["emulated_mobilenet_v2"]
     normal, slow = workload.build_model(), workload.build_model(8.0)

@@ -68,7 +68,9 @@ def test_after_import_runs_now_or_when_the_module_is_imported(tmp_path, monkeypa
     assert seen == [3, -3]
 
 
-TOOLS = {"simulator_replay"}  # re-predicts a stored head-to-head with the simulator: writes no result
+TOOLS = {"simulator_replay",  # re-predicts a stored head-to-head with the simulator: writes no result
+         "netbed",  # the emulated cluster the benchmarks run on
+         "gpu_check"}  # the GPU acceptance run: `make gpu-check`, on a CUDA machine
 
 
 def bench_recipe() -> str:
@@ -78,8 +80,10 @@ def bench_recipe() -> str:
 
 def test_make_bench_runs_every_benchmark_script():
     recipe = bench_recipe()
-    scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")
-               if 'if __name__ == "__main__":' in path.read_text()} - TOOLS
+    modules = {path.stem for path in (ROOT / "benchmarks").glob("*.py")
+               if 'if __name__ == "__main__":' in path.read_text()}
+    packages = {path.parent.name for path in (ROOT / "benchmarks").glob("*/__main__.py")}
+    scripts = (modules | packages) - TOOLS
     assert {"reproduce_topology", "triton_kernels", "head_to_head"} <= scripts
     missing = [name for name in sorted(scripts)
                if f"benchmarks/{name}.py" not in recipe and f"-m benchmarks.{name}" not in recipe]
