@@ -133,7 +133,7 @@ class CompressionState:
         if self._channels is None:
             self._attach()
         try:
-            names = tuple(self._names[id(parameter)] for parameter in bucket.parameters())
+            names = tuple(self._names[id(parameter)] for parameter in bucket.parameters() if parameter.numel())
         except KeyError:
             raise ConfigError("comm hook state: DDP reduces a parameter that is not a trainable parameter of the "
                               "module given to CompressionState (give it the model DDP wraps)") from None
@@ -228,7 +228,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if state._between_steps and state._loss_scale is not None:
         state._loss_scale.follow(state.codec)
     state._ending = state._between_steps = bucket.is_last()
-    gradients = bucket.gradients()
+    gradients = [gradient for gradient in bucket.gradients() if gradient.numel()]  # as `executor` names them
     slots = list(rounds[0].parameters.values())
     for (name, slot), gradient in zip(rounds[0].parameters.items(), gradients):
         slot.grad = state.gradient(name, gradient)

@@ -50,6 +50,8 @@ def zero_partition(zero: DeepSpeedZeroOptimizer, table: ParameterTable) -> Parti
         size = int(zero.partition_size[index])
         ranks = dist.get_world_size(group=zero.real_dp_process_group[index])
         for parameter, offset in zip(parameters, zero.round_robin_bit16_offsets[index]):
+            if parameter.numel() == 0:  # no element to own, and none in gradsync's plans (ParameterTable.empty)
+                continue
             end = offset + parameter.numel()
             spans[names.get(id(parameter), f"<a parameter outside the module, {tuple(parameter.shape)}>")] = tuple(
                 (max(offset, rank * size) - offset, min(end, (rank + 1) * size) - offset, rank)

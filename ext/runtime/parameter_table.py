@@ -14,13 +14,16 @@ from ..profile import LayerProfile, ModelProfile, TensorSpec
 class ParameterTable:
     """Trainable parameters by qualified name (a shared parameter once, under its first name) and
     the modules that own them, in `module_order` (input → output once measured, else registration).
-    A shared parameter's first module owns it; the others holding it are its `borrowers`."""
+    A shared parameter's first module owns it; the others holding it are its `borrowers`. Trainable
+    parameters without elements have nothing to average: they are `empty`, left out of the plans (a
+    torch DDP bucket holds no element of theirs either)."""
 
     parameters: dict[str, nn.Parameter]
     owners: dict[str, list[str]]  # module name -> names of the parameters it owns directly
     modules: dict[str, nn.Module]
     # module name -> (module, owner modules of the shared parameters it holds directly but does not own)
     borrowers: dict[str, tuple[nn.Module, list[str]]] = field(default_factory=dict)
+    empty: tuple[nn.Parameter, ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module) -> "ParameterTable":
@@ -29,9 +32,13 @@ class ParameterTable:
         modules: dict[str, nn.Module] = {}
         borrowers: dict[str, tuple[nn.Module, list[str]]] = {}
         owner_of: dict[int, str] = {}  # parameter id -> its owner module
+        empty: dict[int, nn.Parameter] = {}
         for module_name, module in model.named_modules():
             for local_name, parameter in module.named_parameters(recurse=False):
                 if not parameter.requires_grad:
+                    continue
+                if parameter.numel() == 0:
+                    empty[id(parameter)] = parameter
                     continue
                 if id(parameter) in owner_of:
                     _borrow(borrowers, module_name, module, owner_of[id(parameter)])
@@ -42,14 +49,14 @@ class ParameterTable:
                 owners.setdefault(module_name, []).append(name)
                 modules[module_name] = module
         if not parameters:
-            raise ConfigError("model has no trainable parameters: nothing to synchronise")
+            raise ConfigError("model has no trainable parameters with elements: nothing to synchronise")
         sparse = [name for name, module in modules.items()
                   if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse]
         if sparse:
             raise ConfigError(f"modules {sparse} make sparse gradients (sparse=True), which gradsync cannot "
                               "all-reduce: construct them with sparse=False")
         _check_dtypes(parameters)
-        return cls(parameters, owners, modules, borrowers)
+        return cls(parameters, owners, modules, borrowers, tuple(empty.values()))
 
     @property
     def device(self):
@@ -100,7 +107,7 @@ class ParameterTable:
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every parameter the optimizer updates must belong to the model."""
-        known = {id(p) for p in self.parameters.values()}
+        known = {id(p) for p in (*self.parameters.values(), *self.empty)}
         frozen_or_foreign = [
             index
             for group in optimizer.param_groups
