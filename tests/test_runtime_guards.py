@@ -1,5 +1,6 @@
 """Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
-into the forward of tied weights, dtype mixes the planners cannot separate, failed wraps."""
+into the forward of tied weights, parameters unfrozen after the wrap, dtype mixes the planners cannot
+separate, failed wraps."""
 import copy
 import os
 
@@ -100,6 +101,67 @@ def test_a_tied_weight_is_updated_before_any_module_holding_it_reads_it(schedule
     for pending, distance in run_local(tied_weight_read_first_by_a_non_owner, 2, scheduler, options):
         assert pending > 0  # the steps did defer updates into the next forward
         assert distance < 1e-6
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def unfrozen_after_the_wrap(rank, world_size):
+    """The trunk frozen at wrap, the optimizer over every parameter: two steps, then the trunk
+    unfrozen. Returns the refused step's error, whether it changed a parameter, and after a new wrap
+    two more steps: how far the replicas are apart and how far the trunk moved."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    model.trunk.requires_grad_(False)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
+    for step in range(2):
+        optimizer.zero_grad()
+        _branch_loss(model, rank, step, "a").backward()
+        optimizer.step()
+    model.trunk.requires_grad_(True)
+    optimizer.zero_grad()
+    _branch_loss(model, rank, 2, "a").backward()
+    before = flat(model)
+    try:
+        optimizer.step()
+        error = None
+    except RuntimeError as refused:
+        error = str(refused)
+    changed = not torch.equal(before, flat(model))
+    attached(model).detach()
+    model.zero_grad()
+    trunk = model.trunk.weight.detach().clone()
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
+    for step in range(3, 5):
+        optimizer.zero_grad()
+        _branch_loss(model, rank, step, "a").backward()
+        optimizer.step()
+    gathered = [torch.empty_like(flat(model)) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, flat(model))
+    moved = (model.trunk.weight - trunk).abs().max().item()
+    attached(model).detach()
+    return error, changed, (gathered[0] - gathered[1]).abs().max().item(), moved
+
+
+def test_a_parameter_unfrozen_after_the_wrap_is_refused_at_the_step_and_trains_after_a_new_wrap():
+    for error, changed, replicas_apart, trunk_moved in run_local(unfrozen_after_the_wrap, 2):
+        assert error is not None and "['trunk.weight', 'trunk.bias'] were frozen when gradsync wrapped" in error
+        assert not changed
+        assert replicas_apart == 0.0 and trunk_moved > 0
+
+
+def test_a_parameter_unfrozen_after_the_wrap_is_refused_when_added_to_the_optimizer():
+    """torch.distributed is not initialised here: the table's check needs none."""
+    model = TwoBranches()
+    model.trunk.requires_grad_(False)
+    table = ParameterTable.of(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    table.check_optimizer(optimizer)
+    model.trunk.requires_grad_(True)
+    optimizer.add_param_group({"params": list(model.trunk.parameters())})
+    with pytest.raises(ConfigError, match=r"\['trunk\.weight', 'trunk\.bias'\] were frozen when gradsync wrapped"):
+        table.check_optimizer(optimizer)
 
 
 def _half_and_bfloat():

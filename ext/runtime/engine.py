@@ -43,7 +43,7 @@ from .executor import PlanExecutor
 from .first_rank import FirstRankValues
 from .output_start import OutputStart
 from .installed import InstalledPlans
-from .parameter_table import ParameterTable
+from .parameter_table import ParameterTable, unfrozen_message
 from .measure import IterationDone, Measurement
 from .report import SyncReport
 from .statistics import IterationClock
@@ -65,6 +65,7 @@ class GradSync:
         self.codec = installed.codec
         self.clock = IterationClock()
         self.deferred = DeferredUpdates(table, self.clock)
+        self.frozen_held: dict[str, torch.nn.Parameter] = {}  # parameters frozen at wrap that the optimizer holds
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in table.parameters.values())
         self.buffers_from_first = FirstRankValues(channels.process_group) if broadcast_buffers else None
         # the modules holding buffers at wrap time, as torch DDP lists them once: the model is not
@@ -155,6 +156,7 @@ class GradSync:
 
     def check_optimizer(self, optimizer) -> None:
         self.deferred.bind(optimizer)
+        self.frozen_held = self.table.frozen_in(optimizer)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _arrival_hook_for(self, name: str):
@@ -430,6 +432,7 @@ class GradSync:
                     " (gradsync began this model's iterations at the first gradient of its outputs: a loss that "
                     "does not pass through them is synchronised from now on, once optimizer.zero_grad() and "
                     "the step run again)" if bypassed else ""))
+        self._refuse_unfrozen()
         self.backward_synced = self.gradients_held = False
         executor = self.executor
         executor.refuse_changed_in_flight()
@@ -439,6 +442,13 @@ class GradSync:
             self.deferred.step(optimizer, executor)
         self._finish_iteration()
         self._choose_start()
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at wrap and trainable now has a gradient no op averages: refused before
+        the step updates anything (the optimizer holds it, so the step would apply it)."""
+        unfrozen = [name for name, parameter in self.frozen_held.items() if parameter.requires_grad]
+        if unfrozen:
+            raise RuntimeError(unfrozen_message(unfrozen))
 
     def flush_deferred(self) -> None:
         """Apply every pending deferred update now, in layer order."""

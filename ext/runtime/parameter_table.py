@@ -16,7 +16,8 @@ class ParameterTable:
     the modules that own them, in `module_order` (input → output once measured, else registration).
     A shared parameter's first module owns it; the others holding it are its `borrowers`. Trainable
     parameters without elements have nothing to average: they are `empty`, left out of the plans (a
-    torch DDP bucket holds no element of theirs either)."""
+    torch DDP bucket holds no element of theirs either). The `frozen` ones (by name) are watched:
+    should one train later, its gradients would not be averaged (``frozen_in``)."""
 
     parameters: dict[str, nn.Parameter]
     owners: dict[str, list[str]]  # module name -> names of the parameters it owns directly
@@ -24,6 +25,7 @@ class ParameterTable:
     # module name -> (module, owner modules of the shared parameters it holds directly but does not own)
     borrowers: dict[str, tuple[nn.Module, list[str]]] = field(default_factory=dict)
     empty: tuple[nn.Parameter, ...] = ()
+    frozen: dict[str, nn.Parameter] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module) -> "ParameterTable":
@@ -33,9 +35,15 @@ class ParameterTable:
         borrowers: dict[str, tuple[nn.Module, list[str]]] = {}
         owner_of: dict[int, str] = {}  # parameter id -> its owner module
         empty: dict[int, nn.Parameter] = {}
+        frozen: dict[str, nn.Parameter] = {}
+        frozen_ids: set[int] = set()
         for module_name, module in model.named_modules():
             for local_name, parameter in module.named_parameters(recurse=False):
+                name = f"{module_name}.{local_name}" if module_name else local_name
                 if not parameter.requires_grad:
+                    if id(parameter) not in frozen_ids:
+                        frozen_ids.add(id(parameter))
+                        frozen[name] = parameter
                     continue
                 if parameter.numel() == 0:
                     empty[id(parameter)] = parameter
@@ -44,7 +52,6 @@ class ParameterTable:
                     _borrow(borrowers, module_name, module, owner_of[id(parameter)])
                     continue
                 owner_of[id(parameter)] = module_name
-                name = f"{module_name}.{local_name}" if module_name else local_name
                 parameters[name] = parameter
                 owners.setdefault(module_name, []).append(name)
                 modules[module_name] = module
@@ -56,7 +63,7 @@ class ParameterTable:
             raise ConfigError(f"modules {sparse} make sparse gradients (sparse=True), which gradsync cannot "
                               "all-reduce: construct them with sparse=False")
         _check_dtypes(parameters)
-        return cls(parameters, owners, modules, borrowers, tuple(empty.values()))
+        return cls(parameters, owners, modules, borrowers, tuple(empty.values()), frozen)
 
     @property
     def device(self):
@@ -106,19 +113,29 @@ class ParameterTable:
                               "are complex: train them without a compressor, or as real and imaginary parts")
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every parameter the optimizer updates must belong to the model."""
+        """Every parameter the optimizer updates must belong to the model, and have been trainable
+        when the table was made."""
+        unfrozen = [name for name, p in self.frozen_in(optimizer).items() if p.requires_grad]
+        if unfrozen:
+            raise ConfigError(unfrozen_message(unfrozen))
         known = {id(p) for p in (*self.parameters.values(), *self.empty)}
-        frozen_or_foreign = [
+        foreign = [
             index
             for group in optimizer.param_groups
             for index, p in enumerate(group["params"])
             if p.requires_grad and id(p) not in known
         ]
-        if frozen_or_foreign:
+        if foreign:
             raise ConfigError(
-                f"optimizer holds {len(frozen_or_foreign)} parameter(s) that are not trainable parameters "
+                f"optimizer holds {len(foreign)} parameter(s) that are not trainable parameters "
                 "of the model; pass the optimizer built on this model's parameters"
             )
+
+    def frozen_in(self, optimizer: torch.optim.Optimizer) -> dict[str, nn.Parameter]:
+        """The `frozen` parameters `optimizer` holds, by name: one that trains later would be stepped
+        with a gradient no rank averaged."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return {name: p for name, p in self.frozen.items() if id(p) in held}
 
     def check_profile(self, profile: ModelProfile) -> None:
         """A given profile must describe exactly these tensors."""
@@ -133,6 +150,14 @@ class ParameterTable:
                  != (theirs[n].numel, theirs[n].bytes_per_element)]
         if wrong:
             raise ConfigError(f"profile {profile.name!r}: sizes differ from the model for {wrong[:5]}")
+
+
+def unfrozen_message(names: list[str]) -> str:
+    """Why parameters frozen when gradsync attached, and trainable now, are refused."""
+    return (f"parameter(s) {names[:5]} were frozen when gradsync wrapped the model and train now: no rank would "
+            "average their gradients, so the replicas would drift apart; detach this runtime "
+            "(gradsync.runtime.attached(model).detach()) and wrap the model again once the parameters to train are "
+            "set")
 
 
 def _borrow(borrowers: dict, module_name: str, module: nn.Module, owner: str) -> None:
