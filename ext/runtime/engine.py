@@ -39,9 +39,10 @@ from ..errors import ConfigError, GradientsChangedInFlight
 from ..plan import Plan
 from .channels import Channels
 from .deferred import DeferredUpdates
-from .executor import PlanExecutor
+from .executor import NonFiniteGradient, PlanExecutor
 from .first_rank import FirstRankValues
 from .output_start import OutputStart
+from .over_ranks import reduction_over_ranks
 from .installed import InstalledPlans
 from .parameter_table import ParameterTable, unfrozen_message
 from .measure import IterationDone, Measurement
@@ -422,24 +423,69 @@ class GradSync:
 
     # -- optimizer ---------------------------------------------------------------------------------
     def step(self, optimizer) -> None:
-        if not self.backward_synced:
-            bypassed = self.begins_at_outputs
-            if bypassed:
-                self._leave_outputs()
-            raise RuntimeError(
-                "optimizer.step() without a synchronised backward pass: call backward() outside "
-                "gradsync.no_sync() before stepping, or the replicas would diverge" + (
-                    " (gradsync began this model's iterations at the first gradient of its outputs: a loss that "
-                    "does not pass through them is synchronised from now on, once optimizer.zero_grad() and "
-                    "the step run again)" if bypassed else ""))
+        self._refuse_unsynchronised("optimizer.step()")
+        executor = self._collect(everything=self.installed.nonfinite == "skip")
+        if not executor.skip_step:
+            self.deferred.step(optimizer, executor)
+        self._finish_iteration()
+        self._choose_start()
+
+    def step_evaluating(self, optimizer, closure: Callable):
+        """``optimizer.step(closure)`` for an optimizer that evaluates the loss within its step
+        (LBFGS's line search): the gradients of a backward pass before the step, then those of each
+        evaluation of `closure`, are averaged before the optimizer reads them, each pass an
+        iteration of its own; the optimizer updates every parameter itself, nothing deferred to
+        the next forward. Each evaluation's loss is averaged over the ranks too: the objective whose
+        gradient the averaged gradients are, and the same on every rank, so that every rank's step
+        takes the same decisions (LBFGS stops on the loss's change) and evaluates alike. Returns
+        what the optimizer's step returns."""
+        self.flush_deferred()
+        if self.backward_synced:
+            self._collected_in_full()
+        average = reduction_over_ranks(dist.ReduceOp.SUM, self.channels.process_group, self.table.device,
+                                       "the loss of optimizer.step's closure", self.channels.timeout)
+
+        def evaluated():
+            with torch.enable_grad():
+                loss = closure()
+            self._refuse_unsynchronised("the closure given to optimizer.step()")
+            self._collected_in_full()
+            if loss is None:
+                return None
+            mean = average([float(loss.detach() if torch.is_tensor(loss) else loss)])()[0] / self.channels.world_size
+            return torch.tensor(mean, dtype=loss.dtype, device=loss.device) if torch.is_tensor(loss) else mean
+        return optimizer.step(evaluated)
+
+    def _refuse_unsynchronised(self, what: str) -> None:
+        if self.backward_synced:
+            return
+        bypassed = self.begins_at_outputs
+        if bypassed:
+            self._leave_outputs()
+        raise RuntimeError(
+            f"{what} without a synchronised backward pass: call backward() outside "
+            "gradsync.no_sync() before stepping, or the replicas would diverge" + (
+                " (gradsync began this model's iterations at the first gradient of its outputs: a loss that "
+                "does not pass through them is synchronised from now on, once optimizer.zero_grad() and "
+                "the step run again)" if bypassed else ""))
+
+    def _collect(self, everything: bool) -> PlanExecutor:
+        """The averaged gradients of the synchronised backward pass: those the step waits for, or
+        `everything`; gradients changed in flight and parameters unfrozen since the wrap refused first."""
         self._refuse_unfrozen()
         self.backward_synced = self.gradients_held = False
         executor = self.executor
         executor.refuse_changed_in_flight()
-        nonfinite_skips = self.installed.nonfinite == "skip"
-        self.clock.wait(executor, executor.wait_all if nonfinite_skips else executor.wait_before_step)
-        if not executor.skip_step:
-            self.deferred.step(optimizer, executor)
+        self.clock.wait(executor, executor.wait_all if everything else executor.wait_before_step)
+        return executor
+
+    def _collected_in_full(self) -> None:
+        """Every averaged gradient of the synchronised backward pass in place, for an optimizer that
+        reads them within its step; its iteration finished. Averaged gradients that hold inf or NaN
+        cannot skip such a step (the optimizer may have updated the parameters already)."""
+        if self._collect(everything=True).skip_step:
+            raise NonFiniteGradient("non-finite averaged gradients within a step that evaluates its closure, which "
+                                    "cannot be skipped: use nonfinite='raise' with this optimizer")
         self._finish_iteration()
         self._choose_start()
 

@@ -8,6 +8,7 @@ so an LR scheduler stepping in between does not leak into them.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import TYPE_CHECKING, Iterable
 
@@ -89,7 +90,11 @@ class SyncedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Run `closure` (forward and backward) if given, then synchronise and update; returns the
-        closure's loss, as torch optimizers do."""
+        closure's loss, as torch optimizers do. An optimizer whose step requires the closure
+        (LBFGS, which evaluates the loss again within its step) is given it, each evaluation
+        synchronised (``GradSync.step_evaluating``)."""
+        if closure is not None and _requires_closure(self.optimizer):
+            return self.sync.step_evaluating(self.optimizer, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -124,3 +129,10 @@ class SyncedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group) -> None:
         self.optimizer.add_param_group(param_group)
         self.sync.check_optimizer(self.optimizer)
+
+
+def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` takes its closure without a default: it evaluates the loss within
+    the step (LBFGS), where the others evaluate an optional closure once, before they update."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
