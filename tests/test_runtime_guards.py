@@ -1,8 +1,9 @@
 """Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
-into the forward of tied weights, parameters unfrozen after the wrap, dtype mixes the planners cannot
-separate, failed wraps."""
+into the forward of tied weights, gradients cleared by the model's zero_grad before such an update,
+parameters unfrozen after the wrap, dtype mixes the planners cannot separate, failed wraps."""
 import copy
 import os
+import types
 
 import pytest
 import torch
@@ -101,6 +102,55 @@ def test_a_tied_weight_is_updated_before_any_module_holding_it_reads_it(schedule
     for pending, distance in run_local(tied_weight_read_first_by_a_non_owner, 2, scheduler, options):
         assert pending > 0  # the steps did defer updates into the next forward
         assert distance < 1e-6
+
+
+def cleared_by_the_models_zero_grad(rank, world_size, scheduler, options, set_to_none):
+    """5 steps whose gradients are cleared by ``model.zero_grad`` (as the Hugging Face Trainer and
+    many loops do) while some updates wait for their layer's next forward, momentum SGD beside
+    torch DDP: the most updates left pending after a step, and the distance to DDP's parameters."""
+    torch.manual_seed(5)
+    model = HeadFirst()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                     scheduler=scheduler, profile=_profile(model), cost=COST, **options)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    pending = 0
+    for step in range(5):
+        tokens, targets = batch(rank, step)
+        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
+            network.zero_grad(set_to_none=set_to_none)
+            F.cross_entropy(network(tokens), targets).backward()
+            stepper.step()
+        pending = max(pending, len(attached(model).deferred.pending))
+    optimizer.synchronize()
+    apart = distance(model, reference)
+    attached(model).detach()
+    return pending, apart, "zero_grad" in model.__dict__
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("scheduler, options", [("wfbp", {"overlap_forward": True}),
+                                                ("us_byte", {"partition_bytes": 256})])
+def test_the_models_zero_grad_leaves_a_deferred_update_its_gradients(scheduler, options, set_to_none):
+    for pending, apart, still_overridden in run_local(cleared_by_the_models_zero_grad, 2, scheduler, options,
+                                                      set_to_none):
+        assert pending > 0
+        assert apart < 1e-6
+        assert not still_overridden  # detach gives the model torch's zero_grad back
+
+
+def test_a_copy_of_the_model_gets_torchs_zero_grad(monkeypatch):
+    """The model's zero_grad is gradsync's only while attached, and only on the model itself."""
+    model = nn.Linear(2, 2)
+    zeroed = []
+    monkeypatch.setitem(engine._ATTACHED, model, type("Sync", (), {"zero_grad": lambda _, ps, s: zeroed.append(s)})())
+    model.zero_grad = types.MethodType(engine._zero_grad_while_attached, model)
+    model.zero_grad(set_to_none=False)
+    assert zeroed == [False]
+    copied = copy.deepcopy(model)
+    copied.weight.grad = torch.ones(2, 2)
+    copied.zero_grad()
+    assert copied.weight.grad is None and zeroed == [False]  # torch's own, on the copy
 
 
 def flat(model: nn.Module) -> torch.Tensor:

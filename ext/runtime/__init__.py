@@ -63,9 +63,9 @@ def wrap(
     topology=None,
     **options,
 ):
-    """Attach gradsync to `model` and return ``(model, optimizer)``: the model object unchanged
-    (hooks only) and an optimizer wrapping `optimizer`. Every argument is checked before the first
-    collective.
+    """Attach gradsync to `model` and return ``(model, optimizer)``: the model object itself (hooks,
+    and a ``zero_grad`` that waits for the updates deferred to the next forward) and an optimizer
+    wrapping `optimizer`. Every argument is checked before the first collective.
 
     Args:
         model: the replica on this rank (its parameters on their device).

@@ -4,6 +4,9 @@ with the hyper-parameters the optimizer had at the step (us-byte Fig. 1)."""
 from __future__ import annotations
 
 import time
+from typing import Iterable
+
+import torch
 
 from .executor import PlanExecutor
 from .parameter_table import ParameterTable
@@ -73,11 +76,13 @@ class DeferredUpdates:
         for module_name in list(self.pending):
             self.apply(module_name, executor)
 
-    def zero_grad(self, optimizer, set_to_none: bool, keep: set[str]) -> None:
-        """``optimizer.zero_grad``: a pending module's gradients are zeroed after its update.
+    def zero_grad(self, others: Iterable[torch.nn.Parameter], set_to_none: bool, keep: set[str]) -> None:
+        """``optimizer.zero_grad`` or ``model.zero_grad``: a pending module's gradients are zeroed
+        after its update.
 
         Args:
-            optimizer: the wrapped optimizer, for the parameters it holds outside the table.
+            others: the parameters to zero besides the table's (the optimizer's or the model's; the
+                table's among them are left to the rule above).
             set_to_none: set the gradients to None rather than zero them in place.
             keep: gradients zeroed in place already (``PlanExecutor.zero_gradients_in_place``),
                 left as they are.
@@ -88,11 +93,10 @@ class DeferredUpdates:
                     self.zero_after[module_name] = set_to_none
                 else:
                     _zero_gradients([name for name in names if name not in keep], self.table.parameters, set_to_none)
-        # parameters the optimizer holds outside the table (frozen ones) follow the usual rule
-        for group in optimizer.param_groups:
-            for parameter in group["params"]:
-                if id(parameter) not in self.in_table and parameter.grad is not None:
-                    _zero_gradient(parameter, set_to_none)
+        # parameters outside the table (frozen ones) follow the usual rule
+        for parameter in others:
+            if id(parameter) not in self.in_table and parameter.grad is not None:
+                _zero_gradient(parameter, set_to_none)
 
     def _subset(self, modules: list[str]) -> ParameterSubset:
         """The parameters of the owner `modules`, for one optimizer call."""

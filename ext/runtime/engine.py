@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import atexit
 import time
+import types
 import weakref
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,8 @@ class GradSync:
                     lambda _m, _i, _o, name=module_name: trace.forward_end(name)))
         self.module_of = {name: m for m, names in table.owners.items() for name in names}
         self._hooks_where_needed()
+        if type(model).zero_grad is torch.nn.Module.zero_grad:  # a class's own zero_grad is left as it is
+            model.zero_grad = types.MethodType(_zero_grad_while_attached, model)
         _ATTACHED[model] = self
 
     @property
@@ -511,8 +514,10 @@ class GradSync:
             self._leave_outputs()
         self.flush_deferred()
 
-    def zero_grad(self, optimizer, set_to_none: bool) -> None:
-        """``optimizer.zero_grad``. Gradients that are spans of an op's buffer (small ones, packed at
+    def zero_grad(self, others: Iterable[torch.nn.Parameter], set_to_none: bool) -> None:
+        """``optimizer.zero_grad``, or the model's ``zero_grad`` (`others`: the optimizer's parameters
+        or the model's, those outside the table zeroed as torch does; a pending module's gradients
+        are zeroed after its update). Gradients that are spans of an op's buffer (small ones, packed at
         once: ``PlanExecutor.zero_gradients_in_place``) are zeroed in place even when asked to be set
         to None, as Megatron-LM keeps its gradient buffers: the next backward pass accumulates into
         the buffer, with nothing to copy in before the op nor to point the gradients at after it. One
@@ -522,7 +527,7 @@ class GradSync:
             self.gradients_held = False
         if set_to_none and self.executor is not None and not self.deferred.pending:
             self.zeroed_in_place |= self.executor.zero_gradients_in_place()
-        self.deferred.zero_grad(optimizer, set_to_none, keep=self.zeroed_in_place)
+        self.deferred.zero_grad(others, set_to_none, keep=self.zeroed_in_place)
 
     def _finish_iteration(self) -> None:
         now = time.perf_counter()
@@ -601,6 +606,8 @@ class GradSync:
         for handle in [*self.handles, *self.forward_hooks.values(), *self.gradient_hooks.values()]:
             handle.remove()
         self.handles, self.forward_hooks, self.gradient_hooks = [], {}, {}
+        if getattr(self.model.__dict__.get("zero_grad"), "__func__", None) is _zero_grad_while_attached:
+            del self.model.zero_grad
         _ATTACHED.pop(self.model, None)
         try:
             if self.trace is not None:
@@ -633,6 +640,18 @@ def _tensors_requiring_grad(outputs):
     elif isinstance(outputs, dict):
         for item in outputs.values():
             yield from _tensors_requiring_grad(item)
+
+
+def _zero_grad_while_attached(model, set_to_none: bool = True) -> None:
+    """``model.zero_grad`` while gradsync is attached to `model`: as the wrapped optimizer's, so
+    that the gradients of layers whose update waits for their next forward are zeroed after it,
+    not before (torch's would leave that update without them: a silent wrong step); on a copy of
+    the model (``copy.deepcopy``), torch's own."""
+    sync = _ATTACHED.get(model)
+    if sync is None:
+        torch.nn.Module.zero_grad(model, set_to_none)
+    else:
+        sync.zero_grad(model.parameters(), set_to_none)
 
 
 def attached(model) -> GradSync:

@@ -103,7 +103,7 @@ class SyncedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.sync.zero_grad(self.optimizer, set_to_none)
+        self.sync.zero_grad((p for group in self.optimizer.param_groups for p in group["params"]), set_to_none)
 
     def synchronize(self) -> None:
         """Finish every outstanding op and deferred update now (before reading all gradients,
