@@ -190,3 +190,42 @@ def test_iterations_begin_at_the_outputs_on_cuda_over_nccl(plan):
     assert record[WARM][0] and "accumulated into gradients being averaged" in record[WARM][1]
     assert not record[WARM + 1][0]
     assert all(difference < 1e-6 for _, _, difference in record)
+
+
+def generator_and_discriminator(rank, world_size, front: str):
+    """A GAN's alternating steps, the discriminator frozen (requires_grad off) for the generator's:
+    under gradsync (two runtimes, DDP's buckets, whose iterations may begin at the outputs), or
+    under torch DDP. Both models' parameters after 4 steps."""
+    torch.manual_seed(0)
+    generator, discriminator = (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
+                                nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)))
+    g_optimizer = torch.optim.SGD(generator.parameters(), lr=0.05)
+    d_optimizer = torch.optim.SGD(discriminator.parameters(), lr=0.05)
+    if front == "gradsync":
+        g, g_optimizer = gradsync.wrap(generator, g_optimizer, scheduler="ddp", cost=COST)
+        d, d_optimizer = gradsync.wrap(discriminator, d_optimizer, scheduler="ddp", cost=COST)
+    else:
+        g, d = nn.parallel.DistributedDataParallel(generator), nn.parallel.DistributedDataParallel(discriminator)
+    numbers = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        real, noise = torch.randn(6, 8, generator=numbers), torch.randn(6, 4, generator=numbers)
+        d_optimizer.zero_grad()
+        fake = g(noise)
+        (F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()).backward()
+        d_optimizer.step()
+        g_optimizer.zero_grad()
+        discriminator.requires_grad_(False)
+        F.softplus(-d(fake)).mean().backward()
+        g_optimizer.step()
+        discriminator.requires_grad_(True)
+    if front == "gradsync":
+        for model in (generator, discriminator):
+            attached(model).detach()
+    return [p.detach().clone() for p in (*generator.parameters(), *discriminator.parameters())]
+
+
+def test_a_model_frozen_for_another_models_step_trains_as_under_torch_ddp():
+    """The discriminator's runtime prepares the outputs' start while its parameters are frozen."""
+    ours, theirs = (run_local(generator_and_discriminator, 2, front) for front in ("gradsync", "ddp"))
+    for mine, reference in zip(ours, theirs):
+        assert max((p - q).abs().max().item() for p, q in zip(mine, reference)) < 1e-6

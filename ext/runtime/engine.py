@@ -380,10 +380,8 @@ class GradSync:
             # (a forest's all-reduce sums into the buffer with torch's own ops, which move its version)
             self.outputs_may_begin = (not measuring and self.trace is None and not self.forward_hooks_base
                                       and not self.channels.forests and len(executors) == 1
-                                      and executors[0].watchable())
-            if self.outputs_may_begin:
-                self.output_start.prepare()
-            elif self.begins_at_outputs:
+                                      and executors[0].watchable() and self.output_start.prepare())
+            if not self.outputs_may_begin and self.begins_at_outputs:
                 self._hook_arrivals(True)
         wanted = self.forward_hooks_base | self.deferred.pending.keys()
         if wanted == self.forward_hooks.keys():

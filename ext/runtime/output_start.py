@@ -45,12 +45,17 @@ class OutputStart:
         self.accumulators: list | None = None  # built once, outside a backward pass (`prepare`)
         self.refused = False  # a pass bypassed the outputs: the per-parameter hooks from then on
 
-    def prepare(self) -> None:
-        """Hold each parameter's gradient accumulator (the node the graph query asks about)."""
+    def prepare(self) -> bool:
+        """Hold each parameter's gradient accumulator (the node the graph query asks about); False
+        while a parameter is frozen for now (a GAN's discriminator during the generator's step),
+        which has no accumulator to hold: the iterations then begin at the parameters' hooks."""
         if self.accumulators is None:
+            if not all(parameter.requires_grad for parameter in self.parameters.values()):
+                return False
             with torch.enable_grad():
                 self.accumulators = [parameter.view_as(parameter).grad_fn.next_functions[0][0]
                                      for parameter in self.parameters.values()]
+        return True
 
     def used_in_graph(self) -> set[str] | None:
         """The parameters the backward pass under way produces a gradient for (step 2); None under
