@@ -195,7 +195,8 @@ def test_iterations_begin_at_the_outputs_on_cuda_over_nccl(plan):
 def generator_and_discriminator(rank, world_size, front: str):
     """A GAN's alternating steps, the discriminator frozen (requires_grad off) for the generator's:
     under gradsync (two runtimes, DDP's buckets, whose iterations may begin at the outputs), or
-    under torch DDP. Both models' parameters after 4 steps."""
+    under torch DDP. Both models' parameters after 8 steps (the discriminator's iterations begin at
+    its outputs from the fifth), and whether the discriminator's may begin at its outputs then."""
     torch.manual_seed(0)
     generator, discriminator = (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
                                 nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)))
@@ -207,7 +208,7 @@ def generator_and_discriminator(rank, world_size, front: str):
     else:
         g, d = nn.parallel.DistributedDataParallel(generator), nn.parallel.DistributedDataParallel(discriminator)
     numbers = torch.Generator().manual_seed(rank)
-    for _ in range(4):
+    for _ in range(8):
         real, noise = torch.randn(6, 8, generator=numbers), torch.randn(6, 4, generator=numbers)
         d_optimizer.zero_grad()
         fake = g(noise)
@@ -218,14 +219,19 @@ def generator_and_discriminator(rank, world_size, front: str):
         F.softplus(-d(fake)).mean().backward()
         g_optimizer.step()
         discriminator.requires_grad_(True)
+    outputs_begin = None
     if front == "gradsync":
+        outputs_begin = attached(discriminator).outputs_may_begin
         for model in (generator, discriminator):
             attached(model).detach()
-    return [p.detach().clone() for p in (*generator.parameters(), *discriminator.parameters())]
+    return [p.detach().clone() for p in (*generator.parameters(), *discriminator.parameters())], outputs_begin
 
 
 def test_a_model_frozen_for_another_models_step_trains_as_under_torch_ddp():
-    """The discriminator's runtime prepares the outputs' start while its parameters are frozen."""
+    """The discriminator's runtime, its plans installed while its parameters were frozen, lets its
+    iterations begin at the outputs once they train again; a pass in which none of its parameters
+    trains is no iteration of it, and takes no hook on a frozen parameter."""
     ours, theirs = (run_local(generator_and_discriminator, 2, front) for front in ("gradsync", "ddp"))
-    for mine, reference in zip(ours, theirs):
+    for (mine, outputs_begin), (reference, _) in zip(ours, theirs):
         assert max((p - q).abs().max().item() for p, q in zip(mine, reference)) < 1e-6
+        assert outputs_begin

@@ -97,6 +97,7 @@ class GradSync:
         self.output_start = OutputStart(table.parameters)
         self.begins_at_outputs = False  # the next iteration begins at the outputs' first gradient
         self.outputs_may_begin = False  # the plans in force let it (``_hooks_where_needed``)
+        self.outputs_await_training = False  # they would, once every parameter trains again
         self.output_pass = -1  # the autograd graph task whose outputs' first gradient came last
         self.used_in_graph: set[str] | None = None  # the graph's answer at that gradient, while the hooks begin
         # the last synchronised pass reached the outputs first, and the graph named its parameters
@@ -190,13 +191,26 @@ class GradSync:
                 "optimizer.zero_grad() first)")
 
     def _hook_arrivals(self, on: bool) -> None:
-        """Arrival hooks (`_arrival_hook_for`) on every parameter, or none: the iteration then begins
-        at the outputs (``output_start``)."""
+        """Arrival hooks (`_arrival_hook_for`) on every parameter that trains now, or none: the
+        iteration then begins at the outputs (``output_start``). A parameter frozen for now (a GAN's
+        discriminator during the generator's step) takes its hook at the first forward after it
+        trains again (`_root_pre_forward`): frozen while a forward runs, it has no gradient in the
+        backward pass that follows."""
         for handle in self.arrival_hooks.values():
             handle.remove()
-        self.arrival_hooks = {name: parameter.register_hook(self._arrival_hook_for(name))
-                              for name, parameter in self.table.parameters.items()} if on else {}
+        self.arrival_hooks = {}
+        if on:
+            self._hook_missing_arrivals()
         self.begins_at_outputs = not on
+
+    def _hook_missing_arrivals(self) -> None:
+        for name, parameter in self.table.parameters.items():
+            if name not in self.arrival_hooks and parameter.requires_grad:
+                self.arrival_hooks[name] = parameter.register_hook(self._arrival_hook_for(name))
+
+    def _trainable_left_out(self, names: set[str]) -> bool:
+        """Whether a parameter that trains now is not in `names`."""
+        return any(parameter.requires_grad for name, parameter in self.table.parameters.items() if name not in names)
 
     def _root_post_forward(self, _module, _inputs, outputs) -> None:
         """Where the plans in force let the outputs begin (``output_start``), a hook on each output
@@ -226,16 +240,19 @@ class GradSync:
         used = self.output_start.used_in_graph()
         if used is None:  # torch.autograd.grad: no gradient accumulates
             return
+        left_out = self._trainable_left_out(used)  # (one frozen for now has no gradient in this pass)
+        if not used and not left_out:  # none trains in this pass: no iteration, as no arrival hook would fire
+            return
         self._refuse_if_held()
         if not self.enabled:
             self.used_unsynced |= used
-            if len(used) < len(self.table.parameters):
+            if left_out:
                 self._leave_outputs()
             return
         self._begin_backward()
         ready = self.executor.ready
         ready |= used
-        if len(ready) < len(self.table.parameters):
+        if self._trainable_left_out(ready):
             self._leave_outputs()
 
     def _leave_outputs(self) -> None:
@@ -346,6 +363,10 @@ class GradSync:
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
         self.clock.forward_begins()
+        if self.outputs_await_training and self.output_start.all_train():
+            self.hooks_made_for = None
+        if not self.begins_at_outputs and len(self.arrival_hooks) < len(self.table.parameters):
+            self._hook_missing_arrivals()
         self._hooks_where_needed()
         for module_name in [m for m in self.deferred.pending if m in self.silent]:
             self._apply_deferred(module_name)
@@ -378,9 +399,10 @@ class GradSync:
             self._hook_gradients(ready_wanted)
             executors = list(self.installed.executors.values())
             # (a forest's all-reduce sums into the buffer with torch's own ops, which move its version)
-            self.outputs_may_begin = (not measuring and self.trace is None and not self.forward_hooks_base
-                                      and not self.channels.forests and len(executors) == 1
-                                      and executors[0].watchable() and self.output_start.prepare())
+            watchable = (not measuring and self.trace is None and not self.forward_hooks_base
+                         and not self.channels.forests and len(executors) == 1 and executors[0].watchable())
+            self.outputs_may_begin = watchable and self.output_start.prepare()
+            self.outputs_await_training = watchable and not self.outputs_may_begin  # retried once all train
             if not self.outputs_may_begin and self.begins_at_outputs:
                 self._hook_arrivals(True)
         wanted = self.forward_hooks_base | self.deferred.pending.keys()

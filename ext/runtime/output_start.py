@@ -50,12 +50,16 @@ class OutputStart:
         while a parameter is frozen for now (a GAN's discriminator during the generator's step),
         which has no accumulator to hold: the iterations then begin at the parameters' hooks."""
         if self.accumulators is None:
-            if not all(parameter.requires_grad for parameter in self.parameters.values()):
+            if not self.all_train():
                 return False
             with torch.enable_grad():
                 self.accumulators = [parameter.view_as(parameter).grad_fn.next_functions[0][0]
                                      for parameter in self.parameters.values()]
         return True
+
+    def all_train(self) -> bool:
+        """Whether every parameter requires its gradient now."""
+        return all(parameter.requires_grad for parameter in self.parameters.values())
 
     def used_in_graph(self) -> set[str] | None:
         """The parameters the backward pass under way produces a gradient for (step 2); None under
