@@ -2,6 +2,7 @@
 they begin, that they train as gradients averaged by hand, and what brings the per-parameter hooks
 back (a parameter the autograd graph cannot see, a backward pass that bypasses the outputs)."""
 import copy
+import dataclasses
 from contextlib import nullcontext
 
 import pytest
@@ -235,3 +236,47 @@ def test_a_model_frozen_for_another_models_step_trains_as_under_torch_ddp():
     for (mine, outputs_begin), (reference, _) in zip(ours, theirs):
         assert max((p - q).abs().max().item() for p, q in zip(mine, reference)) < 1e-6
         assert outputs_begin
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A forward's outputs as a dataclass, as some libraries return them."""
+
+    logits: torch.Tensor
+    extra: tuple
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, inputs):
+        hidden = torch.tanh(self.first(inputs))
+        return Prediction(self.last(hidden), ({"hidden": hidden},))
+
+
+def begins_at_a_dataclasss_tensors(rank, world_size):
+    """8 steps of a model whose forward returns a dataclass, beside torch DDP: the distance to its
+    parameters, and whether the iterations began at the outputs by then."""
+    torch.manual_seed(0)
+    model = ReturnsDataclass()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(8):
+        inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
+            stepper.zero_grad()
+            F.cross_entropy(network(inputs).logits, targets).backward()
+            stepper.step()
+    began = attached(model).begins_at_outputs
+    attached(model).detach()
+    return distance(model, reference.module), began
+
+
+def test_the_tensors_of_a_dataclass_output_begin_the_iterations():
+    for apart, began in run_local(begins_at_a_dataclasss_tensors, 2):
+        assert apart < 1e-6
+        assert began

@@ -24,6 +24,7 @@ went).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import time
 import types
 import weakref
@@ -649,8 +650,8 @@ def _release_channels_at_exit() -> None:
 
 
 def _tensors_requiring_grad(outputs):
-    """The tensors in a forward's outputs (nested in tuples, lists and dicts, as torch DDP finds
-    them) that require a gradient."""
+    """The tensors in a forward's outputs (nested in tuples, lists, dicts and dataclasses, as torch
+    DDP finds them) that require a gradient."""
     if isinstance(outputs, torch.Tensor):
         if outputs.requires_grad:
             yield outputs
@@ -660,6 +661,9 @@ def _tensors_requiring_grad(outputs):
     elif isinstance(outputs, dict):
         for item in outputs.values():
             yield from _tensors_requiring_grad(item)
+    elif dataclasses.is_dataclass(outputs) and not isinstance(outputs, type):
+        for field in dataclasses.fields(outputs):
+            yield from _tensors_requiring_grad(getattr(outputs, field.name))
 
 
 def _zero_grad_while_attached(model, set_to_none: bool = True) -> None:
