@@ -153,6 +153,38 @@ def test_a_copy_of_the_model_gets_torchs_zero_grad(monkeypatch):
     assert copied.weight.grad is None and zeroed == [False]  # torch's own, on the copy
 
 
+def sharded_optimizer_beside_ddp(rank, world_size):
+    """4 steps of us_byte (its input-side updates deferred to the next forward with torch's
+    optimizers) with a ZeroRedundancyOptimizer, which steps its shard of every parameter whatever
+    its groups hold, beside torch DDP with one: the most updates left pending after a step, and
+    the distance to DDP's parameters."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # (its import warns: in the ranks alone)
+
+    torch.manual_seed(5)
+    model = HeadFirst()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01),
+                                     scheduler="us_byte", profile=_profile(model), cost=COST, partition_bytes=256)
+    ref_optimizer = ZeroRedundancyOptimizer(reference.parameters(), torch.optim.Adam, lr=0.01)
+    pending = 0
+    for step in range(4):
+        tokens, targets = batch(rank, step)
+        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
+            stepper.zero_grad()
+            F.cross_entropy(network(tokens), targets).backward()
+            stepper.step()
+        pending = max(pending, len(attached(model).deferred.pending))
+    apart = distance(model, reference)
+    attached(model).detach()
+    return pending, apart
+
+
+def test_an_optimizer_that_steps_every_parameter_waits_for_every_op_before_the_step():
+    for pending, apart in run_local(sharded_optimizer_beside_ddp, 2):
+        assert pending == 0
+        assert apart < 1e-6
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 

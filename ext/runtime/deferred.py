@@ -3,6 +3,7 @@ forward-phase ops) are not updated; each is updated before its next forward read
 with the hyper-parameters the optimizer had at the step (us-byte Fig. 1)."""
 from __future__ import annotations
 
+import sys
 import time
 from typing import Iterable
 
@@ -27,16 +28,21 @@ class DeferredUpdates:
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.in_table = {id(parameter) for parameter in table.parameters.values()}
+        self.steps_subsets = True  # the optimizer's step updates the parameters of its groups alone
 
     def bind(self, optimizer) -> None:
         """Update with `optimizer` (its parameters checked against the table)."""
         self.table.check_optimizer(optimizer)
         self.optimizer = optimizer
+        self.steps_subsets = steps_subsets(optimizer)
         self.layer_subsets = {m: ParameterSubset(optimizer, [self.table.parameters[n] for n in names])
                               for m, names in self.table.owners.items()}
 
     def step(self, optimizer, executor: PlanExecutor) -> None:
-        """``optimizer.step()`` for the modules whose ops `executor` has completed; the others pending."""
+        """``optimizer.step()`` for the modules whose ops `executor` has completed; the others pending
+        (an optimizer that cannot step a subset waits for every op, then steps them all)."""
+        if executor.ops_open and not self.steps_subsets:
+            self.clock.wait(executor, executor.wait_all)
         complete, incomplete = [], []
         for module_name in self.table.owners:
             (complete if not executor.ops_open or self._complete(executor, module_name) else incomplete).append(
@@ -124,3 +130,14 @@ def _zero_gradients(names, parameters, set_to_none: bool) -> None:
     """``_zero_gradient`` for each parameter of `names` (keys of `parameters`, the parameter table's)."""
     for name in names:
         _zero_gradient(parameters[name], set_to_none)
+
+
+def steps_subsets(optimizer) -> bool:
+    """Whether `optimizer.step()` updates the parameters its groups hold at the call, and no others,
+    as torch's optimizers do (``ParameterSubset.step``). ZeroRedundancyOptimizer steps its rank's
+    shard of every parameter and then broadcasts them all, and PostLocalSGDOptimizer averages every
+    parameter now and then: an update deferred to the next forward would be applied before its
+    gradients are averaged. (Not imported here: importing torch.distributed.optim warns, and an
+    optimizer of its classes has imported it.)"""
+    optim = sys.modules.get("torch.distributed.optim")
+    return optim is None or not isinstance(optimizer, (optim.ZeroRedundancyOptimizer, optim.PostLocalSGDOptimizer))
