@@ -210,8 +210,10 @@ class GradSync:
                 self.arrival_hooks[name] = parameter.register_hook(self._arrival_hook_for(name))
 
     def _trainable_left_out(self, names: set[str]) -> bool:
-        """Whether a parameter that trains now is not in `names`."""
-        return any(parameter.requires_grad for name, parameter in self.table.parameters.items() if name not in names)
+        """Whether a parameter that trains now is not in `names` (at once where all are in it)."""
+        parameters = self.table.parameters
+        return len(names) < len(parameters) and any(
+            parameter.requires_grad for name, parameter in parameters.items() if name not in names)
 
     def _root_post_forward(self, _module, _inputs, outputs) -> None:
         """Where the plans in force let the outputs begin (``output_start``), a hook on each output
