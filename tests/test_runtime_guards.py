@@ -14,6 +14,7 @@ import gradsync
 from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.runtime import attached, engine
+from gradsync.runtime.module_hooks import on_module
 from gradsync.runtime.parameter_table import ParameterTable
 from runtime_models import COST, VOCAB, WIDTH, TiedNet, batch, distance, synthetic_profile, train_side_by_side
 
@@ -183,6 +184,55 @@ def test_an_optimizer_that_steps_every_parameter_waits_for_every_op_before_the_s
     for pending, apart in run_local(sharded_optimizer_beside_ddp, 2):
         assert pending == 0
         assert apart < 1e-6
+
+
+def averaged_copy_beside_ddp(rank, world_size, scheduler, options):
+    """An AveragedModel (a deep copy) made of the model after the wrap, while its layers are timed
+    (a measured profile), updated after each of 6 steps and run forward and backward, beside
+    torch DDP with one: the distance of the model to DDP's, of the average to DDP's average, and
+    the model's iterations (the copy's passes, carrying gradsync's hooks, must leave it alone)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(5)
+    model = HeadFirst()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5), scheduler=scheduler,
+                                     cost=COST, **options)
+    average, reference_average = AveragedModel(model), AveragedModel(reference.module)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(6):
+        tokens, targets = batch(rank, step)
+        for network, stepper, averaged in ((model, optimizer, average), (reference, ref_optimizer, reference_average)):
+            stepper.zero_grad()
+            F.cross_entropy(network(tokens), targets).backward()
+            stepper.step()
+            if network is model:
+                optimizer.synchronize()  # the updates deferred to the next forward, before reading the parameters
+            averaged.update_parameters(network.module if network is reference else network)
+            F.cross_entropy(averaged(tokens), targets).backward()  # a teacher's loss, on the copy's own gradients
+            averaged.zero_grad()
+    apart, averages_apart = distance(model, reference), distance(average.module, reference_average.module)
+    iterations = attached(model).report().iteration
+    attached(model).detach()
+    return apart, averages_apart, iterations
+
+
+def test_a_hook_on_a_module_does_nothing_on_its_copies():
+    calls = []
+    module = nn.Linear(2, 2)
+    module.register_forward_pre_hook(on_module(module, lambda called_on, _inputs: calls.append(called_on)))
+    copied = copy.deepcopy(module)
+    copied(torch.zeros(1, 2))
+    assert calls == []
+    module(torch.zeros(1, 2))
+    assert calls == [module]
+
+
+@pytest.mark.parametrize("scheduler, options", [("ddp", {}), ("us_byte", {"partition_bytes": 256})])
+def test_a_deep_copy_of_the_model_made_after_the_wrap_trains_nothing_of_it(scheduler, options):
+    for apart, averages_apart, iterations in run_local(averaged_copy_beside_ddp, 2, scheduler, options):
+        assert apart < 1e-6 and averages_apart < 1e-6
+        assert iterations == 6  # the model's own; no pass through the copy counted as one
 
 
 def flat(model: nn.Module) -> torch.Tensor:

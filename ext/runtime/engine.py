@@ -46,6 +46,7 @@ from .first_rank import FirstRankValues
 from .output_start import OutputStart
 from .over_ranks import reduction_over_ranks
 from .installed import InstalledPlans
+from .module_hooks import on_module
 from .parameter_table import ParameterTable, unfrozen_message
 from .measure import IterationDone, Measurement
 from .report import SyncReport
@@ -90,10 +91,12 @@ class GradSync:
         self.buffers_arriving: Callable[[], None] | None = None  # completes the backward pass's buffer broadcast
         self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
         self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
-        self.handles = [model.register_forward_pre_hook(self._root_pre_forward),
-                        model.register_state_dict_pre_hook(lambda *_: self.flush_deferred()),
-                        model.register_load_state_dict_pre_hook(lambda *_: self.flush_deferred())]
-        self.handles.append(model.register_forward_hook(self._root_post_forward))
+        # Every module hook acts on the module it was registered on alone: a copy of the model
+        # (copy.deepcopy, as AveragedModel and EMA helpers make) carries the hooks, inert there.
+        self.handles = [model.register_forward_pre_hook(on_module(model, self._root_pre_forward)),
+                        model.register_state_dict_pre_hook(on_module(model, lambda *_: self.flush_deferred())),
+                        model.register_load_state_dict_pre_hook(on_module(model, lambda *_: self.flush_deferred()))]
+        self.handles.append(model.register_forward_hook(on_module(model, self._root_post_forward)))
         self.arrival_hooks: dict[str, object] = {}  # parameter -> its arrival hook (none while begun at the outputs)
         self.output_start = OutputStart(table.parameters)
         self.begins_at_outputs = False  # the next iteration begins at the outputs' first gradient
@@ -105,7 +108,8 @@ class GradSync:
         self.announced = False
         self._hook_arrivals(True)
         for module, owners in table.borrowers.values():
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward_borrowing(owners)))
+            self.handles.append(module.register_forward_pre_hook(on_module(module,
+                                                                           self._pre_forward_borrowing(owners))))
         self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
         self.gradient_hooks: dict[str, object] = {}  # parameter -> the handle of its post-accumulate-grad hook
         self.hooks_made_for: tuple | None = None  # (plans, timing layers) the hooks were chosen for
@@ -113,7 +117,7 @@ class GradSync:
         for module_name, module in table.modules.items():
             if trace is not None:
                 self.handles.append(module.register_forward_hook(
-                    lambda _m, _i, _o, name=module_name: trace.forward_end(name)))
+                    on_module(module, lambda _m, _i, _o, name=module_name: trace.forward_end(name))))
         self.module_of = {name: m for m, names in table.owners.items() for name in names}
         self._hooks_where_needed()
         if type(model).zero_grad is torch.nn.Module.zero_grad:  # a class's own zero_grad is left as it is
@@ -414,8 +418,9 @@ class GradSync:
         for module_name in self.forward_hooks.keys() - wanted:
             self.forward_hooks.pop(module_name).remove()
         for module_name in wanted - self.forward_hooks.keys():
-            self.forward_hooks[module_name] = self.table.modules[module_name].register_forward_pre_hook(
-                self._pre_forward_for(module_name))
+            module = self.table.modules[module_name]
+            self.forward_hooks[module_name] = module.register_forward_pre_hook(
+                on_module(module, self._pre_forward_for(module_name)))
 
     def _hook_gradients(self, wanted: set[str]) -> None:
         """Ready hooks on the parameters in `wanted`, none on the others."""

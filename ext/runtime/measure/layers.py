@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from ...plan import BACKWARD, Plan
 from ...profile import LayerProfile, ModelProfile
+from ..module_hooks import on_module
 from ..parameter_table import ParameterTable
 from . import median, now
 
@@ -30,7 +31,7 @@ class LayerTimer:
         self.backward_samples: dict[str, list[float]] = {m: [] for m in table.owners}
         self.forward_begin = 0.0
         self.stalled = 0.0  # time inside the current layer's forward that is not its own (deferred updates)
-        self.handles = [module.register_forward_hook(self._forward_end_for(name))
+        self.handles = [module.register_forward_hook(on_module(module, self._forward_end_for(name)))
                         for name, module in table.modules.items()]
 
     def forward_start(self) -> None:
