@@ -280,3 +280,32 @@ def test_the_tensors_of_a_dataclass_output_begin_the_iterations():
     for apart, began in run_local(begins_at_a_dataclasss_tensors, 2):
         assert apart < 1e-6
         assert began
+
+
+def evaluated_in_inference_mode(rank, world_size):
+    """8 steps, each followed by an evaluation under torch.inference_mode (where even enable_grad
+    records no graph), beside torch DDP: the distance to its parameters, and whether the iterations
+    began at the outputs by then."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.Adam(model.parameters(), lr=0.01), scheduler="ddp", cost=COST)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(8):
+        inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
+            stepper.zero_grad()
+            F.cross_entropy(network(inputs), targets).backward()
+            stepper.step()
+            with torch.inference_mode():
+                network(inputs)
+    began = attached(model).begins_at_outputs
+    attached(model).detach()
+    return distance(model, reference.module), began
+
+
+def test_an_evaluation_in_inference_mode_between_steps_leaves_the_outputs_start_to_the_next_forward():
+    for apart, began in run_local(evaluated_in_inference_mode, 2):
+        assert apart < 1e-6
+        assert began

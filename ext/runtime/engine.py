@@ -101,7 +101,7 @@ class GradSync:
         self.output_start = OutputStart(table.parameters)
         self.begins_at_outputs = False  # the next iteration begins at the outputs' first gradient
         self.outputs_may_begin = False  # the plans in force let it (``_hooks_where_needed``)
-        self.outputs_await_training = False  # they would, once every parameter trains again
+        self.outputs_await_accumulators = False  # they would, once the accumulators can be reached
         self.output_pass = -1  # the autograd graph task whose outputs' first gradient came last
         self.used_in_graph: set[str] | None = None  # the graph's answer at that gradient, while the hooks begin
         # the last synchronised pass reached the outputs first, and the graph named its parameters
@@ -370,7 +370,7 @@ class GradSync:
     def _root_pre_forward(self, _module, _inputs) -> None:
         self.ran_forward.clear()
         self.clock.forward_begins()
-        if self.outputs_await_training and self.output_start.all_train():
+        if self.outputs_await_accumulators and self.output_start.can_prepare():
             self.hooks_made_for = None
         if not self.begins_at_outputs and len(self.arrival_hooks) < len(self.table.parameters):
             self._hook_missing_arrivals()
@@ -409,7 +409,7 @@ class GradSync:
             watchable = (not measuring and self.trace is None and not self.forward_hooks_base
                          and not self.channels.forests and len(executors) == 1 and executors[0].watchable())
             self.outputs_may_begin = watchable and self.output_start.prepare()
-            self.outputs_await_training = watchable and not self.outputs_may_begin  # retried once all train
+            self.outputs_await_accumulators = watchable and not self.outputs_may_begin  # retried when they can
             if not self.outputs_may_begin and self.begins_at_outputs:
                 self._hook_arrivals(True)
         wanted = self.forward_hooks_base | self.deferred.pending.keys()

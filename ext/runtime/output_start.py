@@ -47,19 +47,23 @@ class OutputStart:
 
     def prepare(self) -> bool:
         """Hold each parameter's gradient accumulator (the node the graph query asks about); False
-        while a parameter is frozen for now (a GAN's discriminator during the generator's step),
-        which has no accumulator to hold: the iterations then begin at the parameters' hooks."""
+        where none can be reached now (`can_prepare`): the iterations then begin at the parameters'
+        hooks."""
         if self.accumulators is None:
-            if not self.all_train():
+            if not self.can_prepare():
                 return False
             with torch.enable_grad():
                 self.accumulators = [parameter.view_as(parameter).grad_fn.next_functions[0][0]
                                      for parameter in self.parameters.values()]
         return True
 
-    def all_train(self) -> bool:
-        """Whether every parameter requires its gradient now."""
-        return all(parameter.requires_grad for parameter in self.parameters.values())
+    def can_prepare(self) -> bool:
+        """Whether the accumulators can be reached now: not under ``torch.inference_mode`` (an
+        evaluation's forward, where even enable_grad records no graph), and every parameter requires
+        its gradient (a parameter frozen for now, as a GAN's discriminator during the generator's
+        step, has no accumulator)."""
+        return not torch.is_inference_mode_enabled() and all(
+            parameter.requires_grad for parameter in self.parameters.values())
 
     def used_in_graph(self) -> set[str] | None:
         """The parameters the backward pass under way produces a gradient for (step 2); None under
