@@ -256,38 +256,14 @@ class ReturnsDataclass(nn.Module):
         return Prediction(self.last(hidden), ({"hidden": hidden},))
 
 
-def begins_at_a_dataclasss_tensors(rank, world_size):
-    """8 steps of a model whose forward returns a dataclass, beside torch DDP: the distance to its
-    parameters, and whether the iterations began at the outputs by then."""
-    torch.manual_seed(0)
-    model = ReturnsDataclass()
-    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
-    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(8):
-        inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
-        for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
-            stepper.zero_grad()
-            F.cross_entropy(network(inputs).logits, targets).backward()
-            stepper.step()
-    began = attached(model).begins_at_outputs
-    attached(model).detach()
-    return distance(model, reference.module), began
-
-
-def test_the_tensors_of_a_dataclass_output_begin_the_iterations():
-    for apart, began in run_local(begins_at_a_dataclasss_tensors, 2):
-        assert apart < 1e-6
-        assert began
-
-
-def evaluated_in_inference_mode(rank, world_size):
-    """8 steps, each followed by an evaluation under torch.inference_mode (where even enable_grad
-    records no graph), beside torch DDP: the distance to its parameters, and whether the iterations
+def beside_ddp_with_the_outputs_start(rank, world_size, case: str):
+    """8 steps of `case` beside torch DDP: "dataclass", a model whose forward returns a dataclass;
+    "inference", each step followed by an evaluation under torch.inference_mode (where even
+    enable_grad records no graph). The distance to DDP's parameters, and whether the iterations
     began at the outputs by then."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = ReturnsDataclass() if case == "dataclass" else nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    logits = (lambda outputs: outputs.logits) if case == "dataclass" else (lambda outputs: outputs)
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     model, optimizer = gradsync.wrap(model, torch.optim.Adam(model.parameters(), lr=0.01), scheduler="ddp", cost=COST)
     reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
@@ -296,16 +272,19 @@ def evaluated_in_inference_mode(rank, world_size):
         inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
         for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
             stepper.zero_grad()
-            F.cross_entropy(network(inputs), targets).backward()
+            F.cross_entropy(logits(network(inputs)), targets).backward()
             stepper.step()
-            with torch.inference_mode():
-                network(inputs)
+            if case == "inference":
+                with torch.inference_mode():
+                    network(inputs)
     began = attached(model).begins_at_outputs
     attached(model).detach()
     return distance(model, reference.module), began
 
 
-def test_an_evaluation_in_inference_mode_between_steps_leaves_the_outputs_start_to_the_next_forward():
-    for apart, began in run_local(evaluated_in_inference_mode, 2):
+@pytest.mark.parametrize("case", ["dataclass", "inference"])
+def test_a_dataclass_output_or_an_inference_mode_evaluation_lets_the_outputs_begin(case):
+    """A dataclass's tensors are found; an inference-mode forward leaves the start to the next one."""
+    for apart, began in run_local(beside_ddp_with_the_outputs_start, 2, case):
         assert apart < 1e-6
         assert began
