@@ -4,7 +4,8 @@ Fabric's DDPStrategy launches the ranks and initialises the process group. Inste
 model in DistributedDataParallel, ``fabric.setup(model, optimizer)`` attaches gradsync
 (``gradsync.wrap``) and hands Fabric its SyncedOptimizer; ``fabric.backward(loss)`` runs
 gradsync's hooks and ``optimizer.step()`` waits for the averaged gradients, as with
-``gradsync.wrap``; ``fabric.no_backward_sync(model)`` is ``gradsync.no_sync``.
+``gradsync.wrap``; ``fabric.no_backward_sync(model)`` is ``gradsync.no_sync``;
+``fabric.clip_gradients`` first waits for the averaged gradients (``optimizer.synchronize()``).
 """
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ class GradSyncFabricOverrides(GradSyncArguments):
         model, synced = wrap(module, optimizers[0], self.scheduler, self.compressor, **self._wrap_options())
         self.runtime = attached(model)
         return model, [synced], scheduler
+
+    @override
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        self.runtime.flush()
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module, optimizer, clip_val):
+        self.runtime.flush()
+        return super().clip_gradients_value(module, optimizer, clip_val)
 
 
 class _NoSync:

@@ -1,5 +1,6 @@
 """Lightning Fabric with gradsync's strategies: ``Fabric(strategy=<name>)`` on 2 gloo ranks, against
-Fabric's own DDP (with gradient accumulation through ``fabric.no_backward_sync``)."""
+Fabric's own DDP (with gradient accumulation through ``fabric.no_backward_sync`` and clipping through
+``fabric.clip_gradients``)."""
 import os
 
 import pytest
@@ -26,7 +27,8 @@ def batch(rank: int, step: int):
 
 
 def train(fabric: Fabric, rank: int) -> torch.Tensor:
-    """STEPS backward passes, every other one under no_backward_sync; the final parameters."""
+    """STEPS backward passes, every other one under no_backward_sync, the gradients clipped before each
+    step (by norm, then by value, in turn); the final parameters."""
     module = model()
     module, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
     for step in range(STEPS):
@@ -35,6 +37,10 @@ def train(fabric: Fabric, rank: int) -> torch.Tensor:
         with fabric.no_backward_sync(module, enabled=accumulating):
             fabric.backward(torch.nn.functional.cross_entropy(module(inputs), targets))
         if not accumulating:
+            if step % 4 == 1:
+                fabric.clip_gradients(module, optimizer, max_norm=0.5)
+            else:
+                fabric.clip_gradients(module, optimizer, clip_val=0.02)
             optimizer.step()
             optimizer.zero_grad()
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
