@@ -13,7 +13,7 @@ options, pass ``GradSyncStrategy(scheduler=..., compressor=..., **gradsync.wrap 
 """
 from importlib.util import find_spec
 
-from .strategy import GradSyncOverrides, strategy_entries
+from .strategy import DeferredUpdatesFirst, GradSyncOverrides, strategy_entries
 
 
 def _importable(module: str) -> bool:
@@ -26,15 +26,19 @@ def _importable(module: str) -> bool:
 __all__ = ["strategy_entries"]
 
 if _importable("pytorch_lightning"):
+    from pytorch_lightning import Callback
     from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+
+    class _DeferredUpdatesFirst(DeferredUpdatesFirst, Callback):
+        """`pytorch_lightning` callback: the strategy's deferred updates before other callbacks' hooks."""
 
     class GradSyncStrategy(GradSyncOverrides, DDPStrategy):
         """`pytorch_lightning` strategy: DDP's launch and data handling, gradsync's synchronisation."""
 
+        DEFERRED_UPDATES_CALLBACK = _DeferredUpdatesFirst
+
     GradSyncStrategy.register_strategies(StrategyRegistry)
     __all__.append("GradSyncStrategy")
-
-    from pytorch_lightning import Callback
 
     from .comm_hook import CompressionHookCallback
 
@@ -67,16 +71,20 @@ if _importable("lightning.fabric"):
     __all__.append("LightningGradSyncFabricStrategy")
 
 if _importable("lightning.pytorch"):
+    from lightning.pytorch import Callback as LightningCallback
     from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
     from lightning.pytorch.strategies import StrategyRegistry as LightningStrategyRegistry
+
+    class _LightningDeferredUpdatesFirst(DeferredUpdatesFirst, LightningCallback):
+        """The same callback for the unified `lightning` package (``lightning.pytorch``)."""
 
     class LightningGradSyncStrategy(GradSyncOverrides, LightningDDPStrategy):
         """The same strategy for the unified `lightning` package (``lightning.pytorch``)."""
 
+        DEFERRED_UPDATES_CALLBACK = _LightningDeferredUpdatesFirst
+
     LightningGradSyncStrategy.register_strategies(LightningStrategyRegistry)
     __all__.append("LightningGradSyncStrategy")
-
-    from lightning.pytorch import Callback as LightningCallback
 
     from .comm_hook import CompressionHookCallback
 

@@ -137,6 +137,8 @@ class GradSyncOverrides(GradSyncArguments):
     """The DDPStrategy methods that assumed a DistributedDataParallel wrapper, rewritten for
     gradsync's hooks; mixed into the DDPStrategy of each installed Lightning package."""
 
+    DEFERRED_UPDATES_CALLBACK: type  # DeferredUpdatesFirst as a callback of that package
+
     def __init__(self, scheduler: str = "auto", compressor=None, progress_bar: bool = False,
                  options: dict | None = None, **keywords):
         """The strategy, every argument checked before any rank starts.
@@ -178,6 +180,9 @@ class GradSyncOverrides(GradSyncArguments):
         # up overlapping forward-phase ops with the next forward)
         self.runtime.wait_at_backward_end = self._gradients_read_before_step()
         self.optimizers = [synced]
+        callbacks = trainer.callbacks
+        if not any(isinstance(callback, DeferredUpdatesFirst) for callback in callbacks):
+            callbacks.insert(0, self.DEFERRED_UPDATES_CALLBACK(self))
 
     def training_step(self, *args, **kwargs):
         with self.precision_plugin.train_step_context():
@@ -257,6 +262,28 @@ class GradSyncOverrides(GradSyncArguments):
         """The full state on every rank: Lightning dumps checkpoints on every rank (rank 0 writes),
         and the SyncedOptimizer's state_dict gathers every rank's error feedback, a collective."""
         return optimizer.state_dict()
+
+
+class DeferredUpdatesFirst:
+    """Put first among the Trainer's callbacks by the strategy: at the end of each training epoch
+    and of the training, the updates deferred to the layers' next forward are applied before any
+    other callback reads or writes the parameters. (StochasticWeightAveraging averages them at the
+    next epoch's start and copies its average into the model at the training's end; applied later,
+    at the teardown, the last step's update would land on that average.) A callback reading them at
+    each batch's end still sees the deferred layers a step behind (``optimizer.synchronize()``)."""
+
+    def __init__(self, strategy: GradSyncOverrides):
+        self.strategy = strategy
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._apply()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._apply()
+
+    def _apply(self) -> None:
+        if self.strategy.runtime is not None:
+            self.strategy.runtime.flush()
 
 
 def console_logger(strategy_class: type) -> logging.Logger:

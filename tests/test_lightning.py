@@ -27,7 +27,7 @@ from gradsync.cost import CostModel  # noqa: E402
 from gradsync.launch import run_local  # noqa: E402
 from gradsync.recipes.models import build  # noqa: E402
 from gradsync.strategies import GradSyncStrategy, strategy_entries  # noqa: E402
-from pytorch_lightning.callbacks import ModelCheckpoint  # noqa: E402
+from pytorch_lightning.callbacks import ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
@@ -267,6 +267,19 @@ def resume_runs(rank, root: Path) -> dict:
     return runs
 
 
+def fit_averaging_weights(strategy, root) -> dict:
+    """Three 3-step epochs under Lightning's StochasticWeightAveraging from the second on: it reads
+    the parameters at each epoch's start and copies its average into the model at the training's end."""
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    return fit(strategy, root, callbacks=[swa], max_epochs=3, max_steps=-1, limit_train_batches=3)
+
+
+def deferred_us_byte() -> GradSyncStrategy:
+    """us_byte with its updates deferred to each layer's next forward from the first iteration on."""
+    return GradSyncStrategy(scheduler="us_byte", cost=GIVEN_COST, overlap_forward=True, partition_bytes=512,
+                            warmup_iterations=0, measure_iterations=1)
+
+
 def fit_with_hook_callback(root, ckpt_path=None, callbacks=(), **options) -> dict:
     """Lightning's own `ddp` with gradsync's communication hook registered by the CompressionHook
     callback (on the CPU too), acp_sgd: the parameters and the steps the hook synchronised; under
@@ -321,6 +334,8 @@ def all_runs(rank, world_size, root):
         results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(without_probes(name), root))
         results[f"norms_after_backward/{name}"] = attempt(
             lambda: fit_recording_norms(without_probes(name), root, NormsAfterBackward))
+    results["swa/ddp"] = attempt(lambda: fit_averaging_weights("ddp", root))
+    results["swa/us_byte"] = attempt(lambda: fit_averaging_weights(deferred_us_byte(), root))
     results["fp16/acp_sgd"] = attempt(lambda: fit_following_the_scale(root))
     results["fp16/hook"] = attempt(lambda: fit_with_hook_callback(root, plugins=[fp16_with_grad_scaler()]))
     results["resume"] = resume_runs(rank, shared)
@@ -519,6 +534,14 @@ def test_buffers_and_validation_match_ddp(ranks, name):
         assert distance(runs[f"batchnorm/{name}"], runs["batchnorm/ddp"]) < TOLERANCE
         assert runs[f"batchnorm/{name}"]["metrics"]["val_loss"] == pytest.approx(
             runs["batchnorm/ddp"]["metrics"]["val_loss"], abs=TOLERANCE)
+
+
+def test_weight_averaging_sees_and_keeps_the_updates_deferred_to_the_next_forward(ranks):
+    """StochasticWeightAveraging under updates deferred to the layers' next forward: each epoch's last
+    update is applied before it averages, and its average is not overwritten by that update later."""
+    for rank in (0, 1):
+        assert distance(ranks[rank]["swa/us_byte"], ranks[rank]["swa/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["swa/ddp"], ranks[0]["ddp"]) > TOLERANCE
 
 
 def test_manual_optimization_matches_ddp(ranks):
