@@ -2,6 +2,7 @@
 factors on every rank, wire sizes, checkpoints, bad input."""
 import copy
 import math
+import random
 import warnings
 
 import pytest
@@ -303,6 +304,59 @@ def resume(rank, world_size, path):
 
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     assert run_local(resume, 2, str(tmp_path / "acp.pt")) == [0.0, 0.0]
+
+
+def change_of_compressor(rank, world_size):
+    """A checkpoint of an uncompressed run resumed with acp_sgd, and with acp_sgd from the same
+    checkpoint without gradsync's entry; an acp_sgd checkpoint resumed without compression."""
+    def fresh(compressor):
+        torch.manual_seed(2)
+        random.seed(2)  # rank 0 draws the compressor's seed from it
+        model = square_net()
+        return gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), scheduler="mg_wfbp",
+                             compressor=compressor, profile=profile_of(model), cost=COST)
+
+    def resumed(state, compressor, drop_gradsync=False):
+        model, optimizer = fresh(compressor)
+        state = copy.deepcopy(state)  # a loaded optimizer would train the state's own momentum tensors
+        model.load_state_dict(state["model"])
+        optimizer_state = state["optimizer"]
+        if drop_gradsync:
+            del optimizer_state["gradsync"]
+        optimizer.load_state_dict(optimizer_state)
+        for step in range(4, 7):
+            optimizer.zero_grad()
+            x, y = data(rank, step)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        attached(model).detach()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    acp_sgd = {"type": "acp_sgd", "rank": 2, "min_compression_rate": 0}
+    saved = {}
+    for compressor in (None, acp_sgd):
+        model, optimizer = fresh(compressor)
+        for step in range(4):
+            optimizer.zero_grad()
+            x, y = data(rank, step)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        saved[compressor is None] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        attached(model).detach()
+    plain = saved[True]
+    difference = (resumed(plain, acp_sgd) - resumed(plain, acp_sgd, drop_gradsync=True)).abs().max().item()
+    try:
+        resumed(saved[False], None)
+        refusal = None
+    except ConfigError as error:
+        refusal = str(error)
+    return difference, refusal
+
+
+def test_a_checkpoint_without_compression_starts_a_compressor_afresh_and_error_feedback_is_never_dropped():
+    for difference, refusal in run_local(change_of_compressor, 2):
+        assert difference == 0.0
+        assert "holds the state of compressor 'acp_sgd'" in refusal and "delete the 'gradsync' entry" in refusal
 
 
 def non_finite_skipped(rank, world_size):

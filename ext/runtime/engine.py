@@ -601,10 +601,17 @@ class GradSync:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict`'s result. A checkpoint of a run whose compressor kept no state (no
+        compression) starts this run's compressor afresh, as one without gradsync's state does; one
+        holding another compressor's state is refused, as that state would be lost."""
         self.flush()
         if state["codec"] != self.codec.name:
-            raise ConfigError(f"checkpoint was made with compressor {state['codec']!r}, this run uses "
-                              f"{self.codec.name!r}")
+            if not state["shared"] and state["per_rank"] is None:
+                return
+            raise ConfigError(
+                f"checkpoint holds the state of compressor {state['codec']!r} (its error feedback), this run uses "
+                f"{self.codec.name!r}, which cannot take it over: resume with {state['codec']!r}, or delete the "
+                "'gradsync' entry of the checkpoint's optimizer state to start without it")
         per_rank = None
         if state["per_rank"] is not None:
             if state["world_size"] != self.channels.world_size:
