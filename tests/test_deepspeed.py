@@ -196,9 +196,19 @@ ZERO_2 = {"zero_optimization": {"stage": 2}}
     ({**ZERO_2, "data_types": {"grad_accum_dtype": "fp32"}}, "'data_types.grad_accum_dtype'"),
     ({**ZERO_2, "bf16": {"enabled": True}, "communication_data_type": "fp32"}, "set 'bf16'"),
     ({"gradient_allreduce_op": "sum"}, "'gradient_allreduce_op' must be \"mean\""),
+    ({**ZERO_2, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "'torch_autocast.lower_precision_safe_modules'"),
 ])
 def test_deepspeed_settings_gradsync_cannot_serve(no_deepspeed_start, changes, needle):
     assert needle in refused({}, **changes)
+
+
+@pytest.mark.parametrize("changes", [
+    {**ZERO_2, "torch_autocast": {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}},
+    {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},  # stage 0 reduces in the gradients' dtype
+])
+def test_autocast_is_served_where_every_gradient_is_reduced_in_its_own_dtype(attach_arguments, changes):
+    accepted({}, **changes)
+    assert len(attach_arguments) == 1
 
 
 def test_fp16_overflows_are_not_errors(no_deepspeed_start):

@@ -62,7 +62,8 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
     """Refuse DeepSpeed settings under which gradsync cannot own the gradient synchronisation.
 
     Refused: ZeRO stage 3; under stages 1 and 2 offloading, ZenFlow, DeepCompile, a
-    ``grad_accum_dtype`` and Muon; ``nonfinite`` "raise" with fp16, ``torch_autocast`` with float16,
+    ``grad_accum_dtype``, Muon, and ``torch_autocast`` over lower-precision-safe modules (their
+    gradients reduced in the autocast dtype); ``nonfinite`` "raise" with fp16, ``torch_autocast`` with float16,
     ``managed_gradient_accumulation`` off, no optimizer at all, a compressor combined with
     DeepSpeed's compressed optimizers, a ``communication_data_type`` other than the model's dtype,
     a ``gradient_allreduce_op`` other than mean, model, tensor, sequence or expert parallelism,
@@ -119,6 +120,27 @@ def check_engine_config(config: DeepSpeedConfig, codec: Codec, model, optimizer,
                           "DeepSpeed's model, tensor, sequence or expert parallelism (ranks holding different "
                           f"shards, tokens or experts): {', '.join(split)}")
     _check_model(model)
+    lowered = _reduced_in_autocast_dtype(config, model) if stage in (1, 2) else []
+    if lowered:
+        raise ConfigError(
+            f"gradsync does not support 'torch_autocast' under ZeRO stage {stage} with lower-precision-safe modules "
+            f"(here {len(lowered)}, the first: {lowered[0]!r}): DeepSpeed would reduce their gradients in "
+            f"{config.torch_autocast_dtype}, gradsync reduces them in their own dtype; set "
+            "'torch_autocast.lower_precision_safe_modules' to [] to reduce every gradient in its own dtype")
+
+
+def _reduced_in_autocast_dtype(config: DeepSpeedConfig, model: nn.Module) -> list[str]:
+    """The modules whose gradients DeepSpeed's ZeRO reduces in the autocast dtype under
+    ``torch_autocast`` (those of its lower-precision-safe classes: Linear and Conv by default)."""
+    if not config.torch_autocast_enabled:
+        return []
+    from deepspeed.runtime.torch_autocast import get_default_autocast_lower_precision_modules
+
+    classes = config.torch_autocast_lower_precision_safe_modules
+    classes = set(get_default_autocast_lower_precision_modules() if classes is None else classes)
+    return [name for name, module in model.named_modules()
+            if f"{type(module).__module__}.{type(module).__name__}" in classes
+            and next(module.parameters(recurse=False), None) is not None]
 
 
 def _precision(config: DeepSpeedConfig) -> str:
