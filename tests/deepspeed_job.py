@@ -15,7 +15,9 @@
 5. ``acp_sgd`` under ZeRO stages 1 and 2, and at stage 0 in bf16: training, replicas, and a
    checkpoint round trip;
 6. fp16 under ZeRO stage 2 with overflowing first steps, and at stage 0 with an overflowing batch,
-   beside DeepSpeed's own run.
+   beside DeepSpeed's own run;
+7. a layer that no rank uses on every other step, SGD with momentum and weight decay, at stage 0 in
+   fp32 (where the user's optimizer steps it), beside DeepSpeed's own run.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
 On the CPU, DeepSpeed's communication backend starts without its shared-memory op (see
 ``without_shared_memory_op``).
@@ -323,6 +325,43 @@ def fp16_against_deepspeed(rank: int, cost_path: str, stage: int) -> dict:
     return results
 
 
+class EveryOtherHead(nn.Module):
+    """mlp, plus a head added to its output on every other forward pass: on the others no rank
+    gives the head a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.head = nn.Linear(FEATURES, OUTPUTS)
+        self.passes = 0
+
+    def forward(self, x):
+        self.passes += 1
+        return self.body(x) + self.head(x) if self.passes % 2 else self.body(x)
+
+
+def unused_layer_against_deepspeed(rank: int, cost_path: str) -> dict:
+    """8 steps of EveryOtherHead (7); per scheduler, the largest difference to DeepSpeed's own run,
+    whose all-reduce gives the head zeros on its idle steps, which momentum and weight decay act on."""
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0, **QUIET,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.1}}}
+
+    def run(section: dict | None) -> torch.Tensor:
+        model = EveryOtherHead()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=config if section is None else {**config, "gradsync": section})
+        for step in range(8):
+            micro_step(engine, rank, step)
+        # the state dict applies the updates deferred to the next forward first
+        trained = torch.cat([tensor.reshape(-1) for tensor in engine.module.state_dict().values()])
+        engine.destroy()
+        return trained
+
+    reference = run(None)
+    return {scheduler: (run({"scheduler": scheduler, "cost": cost_path}) - reference).abs().max().item()
+            for scheduler in ("wfbp", "us_byte")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -374,7 +413,8 @@ def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
             "acp_sgd_bf16": compressed_with_checkpoint(rank, out / "checkpoint_bf16", 0, "bf16", cost),
             "skip": skipped_step_against_plain_deepspeed(rank, cost),
             "stages": stages_against_deepspeed(rank, cost),
-            **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()}}
+            **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()},
+            "unused_layer": unused_layer_against_deepspeed(rank, cost)}
 
 
 if __name__ == "__main__":

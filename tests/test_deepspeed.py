@@ -377,6 +377,11 @@ def test_every_scheduler_under_zero_stages_trains_as_deepspeed_does(two_rank_job
             assert run["optimizer"] == "GradSync" + run["deepspeed_optimizer"] == "GradSyncFP16_UnfusedOptimizer"
 
 
+def test_a_layer_no_rank_uses_gets_zeros_as_under_deepspeeds_all_reduce(two_rank_job):
+    """Momentum and weight decay move a layer on the steps where no rank used it, as under DeepSpeed."""
+    assert two_rank_job["unused_layer"] == {"wfbp": pytest.approx(0, abs=1e-6), "us_byte": pytest.approx(0, abs=1e-6)}
+
+
 def skipped_as_deepspeed_skips(fp16: dict, run: str) -> None:
     """fp16 under ZeRO-2, whose first steps overflow (loss scale 2^20), or at stage 0 under
     DeepSpeed's fp16 optimizer, where one batch overflows: DeepSpeed's loss scaler sees gradsync's

@@ -70,20 +70,22 @@ def attach(engine, arguments: WrapArguments) -> None:
     Under ZeRO stages 1 and 2 gradsync delivers each rank its partition to DeepSpeed's ZeRO
     optimizer, which stays the engine's (``gradsync.deepspeed.zero``), as DeepSpeed's fp16 or bf16
     optimizer does at stage 0 (``gradsync.deepspeed.takeover``: its step reads the averaged
-    gradients); at stage 0 in fp32 the engine's optimizer becomes gradsync's SyncedOptimizer."""
+    gradients); at stage 0 in fp32 the engine's optimizer becomes gradsync's SyncedOptimizer. A
+    parameter no rank produced a gradient for gets zeros, as DeepSpeed's all-reduce gives it (so
+    that momentum and weight decay act on it as they do without gradsync)."""
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         zero = engine.optimizer
         table = ParameterTable.of(engine.module)
         _, synced = attach_runtime(engine.module, ZeroStep(zero, list(table.parameters.values())), arguments,
-                                   partition=zero_partition(zero, table))
+                                   partition=zero_partition(zero, table), unused_as_zeros=True)
         take_over_zero(zero, synced)
     elif isinstance(engine.optimizer, MIXED_PRECISION_OPTIMIZERS):
         own = engine.optimizer
         parameters = list(ParameterTable.of(engine.module).parameters.values())
-        _, synced = attach_runtime(engine.module, OwnStep(own, parameters), arguments)
+        _, synced = attach_runtime(engine.module, OwnStep(own, parameters), arguments, unused_as_zeros=True)
         take_over(own, synced)
     else:
-        _, synced = attach_runtime(engine.module, engine.optimizer, arguments)
+        _, synced = attach_runtime(engine.module, engine.optimizer, arguments, unused_as_zeros=True)
         engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.enable_backward_allreduce = False
     engine.gradsync = attached(engine.module)

@@ -120,7 +120,7 @@ def wrap(
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: WrapArguments,
-           process_group=None, partition: Partition | None = None):
+           process_group=None, partition: Partition | None = None, unused_as_zeros: bool = False):
     """``wrap`` with arguments already checked by ``check_wrap_arguments``.
 
     Args:
@@ -131,6 +131,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
             partition of the averaged gradients alone, read with the current executor's
             ``reduced_partition`` (the gradients are released once sent); a compressor's decoded
             gradients are whole, in ``.grad``.
+        unused_as_zeros: a trainable parameter no rank produced a gradient for gets a gradient of
+            zeros, as DeepSpeed's engine fills them before its all-reduce (so that momentum and
+            weight decay still act on it); else its gradient stays as it is, as under torch DDP.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -159,7 +162,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
     codec.may_skip_steps = arguments.nonfinite != "raise"
     codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
     installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
-                               arguments.plan_trials, partition, arguments.replan)
+                               arguments.plan_trials, partition, arguments.replan, unused_as_zeros)
     sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer)
     with sync.detached_on_error():
         sync.check_optimizer(optimizer)

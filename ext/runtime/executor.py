@@ -10,7 +10,8 @@ on the device, at launch, where the check overlaps the ops already in flight; ea
 share of the mean, whose partial sums cannot overflow, so the reduced data holds an inf or a NaN
 only where a share does).
 After the collective a used-flag sum of 0 means no rank used the tensor and its gradient is left
-untouched, as torch DDP does with ``find_unused_parameters``; otherwise, once every op of a tensor
+untouched, as torch DDP does with ``find_unused_parameters`` (or, with `unused_as_zeros`, set to
+zeros where it is None, as DeepSpeed's engine does); otherwise, once every op of a tensor
 is done, the codec writes the averaged gradient (an uncompressed tensor that one op carries whole
 needs no writing: its span of the buffer becomes the gradient). The engine never looks at which
 planner made the plan: phase, channel and order are all it needs.
@@ -99,7 +100,7 @@ class PlanExecutor:
 
     def __init__(self, plan: Plan, parameters: dict, channels: Channels, codec: Codec | None = None,
                  layout: str = "plain", nonfinite: str = "raise", trace=None, partition: Partition | None = None,
-                 shared_buffers: SharedOpBuffers | None = None):
+                 shared_buffers: SharedOpBuffers | None = None, unused_as_zeros: bool = False):
         if plan.channels > len(channels):
             raise ConfigError(f"plan uses {plan.channels} channels but only {len(channels)} were created "
                               "(raise 'channels')")
@@ -111,6 +112,7 @@ class PlanExecutor:
         self.nonfinite = nonfinite
         self.trace = trace
         self.partition = partition
+        self.unused_as_zeros = unused_as_zeros
         self.as_they_are = _carries_gradients_as_they_are(self.codec)
         # each rank's share of the mean is its gradient times 1/world size, as torch DDP scales; a 0-dim
         # tensor rather than a Python number, which torch wraps into a new tensor at every call (2 µs a tensor)
@@ -562,7 +564,10 @@ class PlanExecutor:
         for (name, offset, length, position), view, direct in zip(state.slices, state.views, state.direct):
             parameter = self.parameters[name]
             if not used[name]:
-                if name in self.zeroed_in_place:  # as the zero_grad asked
+                if self.unused_as_zeros:
+                    if parameter.grad is None:
+                        parameter.grad = torch.zeros_like(parameter)
+                elif name in self.zeroed_in_place:  # as the zero_grad asked
                     parameter.grad = None
                 continue
             if direct is not None and parameter.is_contiguous():  # (as made, unless its layout changed since)

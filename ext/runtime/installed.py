@@ -46,19 +46,21 @@ class InstalledPlans:
         planner: the wrapped scheduler (measurement installs others meanwhile).
         codec: the compressor, set up on the layout's tensors.
         plan_trials: how many of a choosing planner's plans to time once the profile is measured.
-        nonfinite, trace, partition: for the executors (``PlanExecutor``); with a `partition` and no
-            compressor the plans' ops are reduce-scatters (each rank needs its partition alone).
+        nonfinite, trace, partition, unused_as_zeros: for the executors (``PlanExecutor``); with a
+            `partition` and no compressor the plans' ops are reduce-scatters (each rank needs its
+            partition alone).
         replan: time the communication and plan again when the network changes (``measure.cost_watch``).
     """
 
     def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
                  nonfinite: str, trace=None, plan_trials: int = 0, partition: Partition | None = None,
-                 replan: bool = False):
+                 replan: bool = False, unused_as_zeros: bool = False):
         self.table = table
         self.channels = channels
         self.planner = planner
         self.codec = codec
         self.nonfinite = nonfinite
+        self.unused_as_zeros = unused_as_zeros
         self.trace = trace
         self.plan_trials = plan_trials
         self.partition = partition
@@ -106,7 +108,8 @@ class InstalledPlans:
         self.layout_plans, self.plans, self.profile, self.cost = layout_plans, plans, profile, cost
         self.predictions, self.speed, self.settling = {}, self._compute_speed(), True
         self.executors = {layout: PlanExecutor(plan, self.table.parameters, self.channels, self.codec, layout,
-                                               self.nonfinite, self.trace, self.partition, self.shared_buffers)
+                                               self.nonfinite, self.trace, self.partition, self.shared_buffers,
+                                               self.unused_as_zeros)
                           for layout, plan in plans.items()}
         if self.partition is not None or not self.following_up:  # what the probes and replaced plans freed
             self._release_host_memory()
