@@ -7,7 +7,7 @@ from importlib import import_module as _import_module
 
 from . import planners, profile
 from .cost import CostModel
-from .errors import ConfigError, GradientsChangedInFlight
+from .errors import ConfigError, GradientsChangedInFlight, ParametersChangedBeforeUpdate
 from .plan import Op, Plan, Slice
 from .profile import ModelProfile
 from .runtime import IterationStats, NonFiniteGradient, SyncReport, no_sync, report, wrap
@@ -49,6 +49,7 @@ __all__ = [
     "ConfigError",
     "CostModel",
     "GradientsChangedInFlight",
+    "ParametersChangedBeforeUpdate",
     "IterationStats",
     "NonFiniteGradient",
     "ModelProfile",

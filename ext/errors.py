@@ -16,6 +16,13 @@ class GradientsChangedInFlight(RuntimeError):
     pass that bypassed the model's outputs (``runtime.output_start``). Raised before any update."""
 
 
+class ParametersChangedBeforeUpdate(RuntimeError):
+    """Parameters written in place after ``optimizer.step()`` while their update waited for their
+    next forward (updates deferred under ``overlap_forward`` or US-Byte's forward-phase ops): the
+    update would land on what was written (a clamp, an assignment), which it precedes in the code.
+    Raised before that update; ``optimizer.synchronize()`` after the step applies it first."""
+
+
 def unknown_name(kind: str, name: object, valid) -> ConfigError:
     """The error for a name that is not among the valid ones, listing them.
 

@@ -1,6 +1,7 @@
 """Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
 into the forward of tied weights, gradients cleared by the model's zero_grad before such an update,
-parameters unfrozen after the wrap, dtype mixes the planners cannot separate, failed wraps."""
+parameters written before their deferred update, parameters unfrozen after the wrap, dtype mixes
+the planners cannot separate, failed wraps."""
 import copy
 import os
 import types
@@ -138,6 +139,53 @@ def test_the_models_zero_grad_leaves_a_deferred_update_its_gradients(scheduler, 
         assert pending > 0
         assert apart < 1e-6
         assert not still_overridden  # detach gives the model torch's zero_grad back
+
+
+def clamped_after_each_step(rank, world_size, scheduler, options, synchronized):
+    """5 steps with weight clipping after each (a WGAN critic's), momentum SGD beside torch DDP,
+    while some updates wait for their layer's next forward, with or without ``optimizer.synchronize()``
+    before the clipping: the distance to DDP's parameters, or the error, whether the parameters are
+    as the clipping left them, the updates still pending, and whether detach raised it again and
+    detached all the same."""
+    torch.manual_seed(5)
+    model = HeadFirst()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                     scheduler=scheduler, profile=_profile(model), cost=COST, **options)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    try:
+        for step in range(5):
+            tokens, targets = batch(rank, step)
+            for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
+                stepper.zero_grad()
+                F.cross_entropy(network(tokens), targets).backward()
+                stepper.step()
+                if synchronized and network is model:
+                    optimizer.synchronize()
+                with torch.no_grad():
+                    for parameter in network.parameters():
+                        parameter.clamp_(-0.1, 0.1)
+        optimizer.synchronize()
+    except gradsync.ParametersChangedBeforeUpdate as error:
+        clamped = all(bool((p.abs() <= 0.1).all()) for p in model.parameters())
+        pending = len(attached(model).deferred.pending)
+        try:
+            attached(model).detach()
+        except gradsync.ParametersChangedBeforeUpdate:
+            return str(error), clamped, pending, "raised again", model not in engine._ATTACHED
+    apart = distance(model, reference)
+    attached(model).detach()
+    return apart
+
+
+@pytest.mark.parametrize("scheduler, options", [("wfbp", {"overlap_forward": True}),
+                                                ("us_byte", {"partition_bytes": 256})])
+def test_parameters_written_before_their_deferred_update_are_refused(scheduler, options):
+    for message, clamped, pending, again, detached in run_local(clamped_after_each_step, 2, scheduler, options, False):
+        assert "written in place after optimizer.step()" in message and "optimizer.synchronize()" in message
+        assert clamped and pending > 0  # refused before the update: what the clamp wrote is still there
+        assert again == "raised again" and detached
+    assert run_local(clamped_after_each_step, 2, scheduler, options, True) == [pytest.approx(0, abs=1e-6)] * 2
 
 
 def test_a_copy_of_the_model_gets_torchs_zero_grad(monkeypatch):

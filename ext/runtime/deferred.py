@@ -1,6 +1,8 @@
 """Deferred updates: at ``optimizer.step()`` the modules whose ops are still in flight (a plan's
 forward-phase ops) are not updated; each is updated before its next forward reads its parameters,
-with the hyper-parameters the optimizer had at the step (us-byte Fig. 1)."""
+with the hyper-parameters the optimizer had at the step (us-byte Fig. 1). Parameters written in
+place meanwhile (their version counters moved) are refused before their update: it would land on
+what was written."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +11,7 @@ from typing import Iterable
 
 import torch
 
+from ..errors import ParametersChangedBeforeUpdate
 from .executor import PlanExecutor
 from .parameter_table import ParameterTable
 from .optimizer import ParameterSubset, hyperparameters
@@ -26,6 +29,7 @@ class DeferredUpdates:
         self.optimizer = None
         self.layer_subsets: dict[str, ParameterSubset] = {}  # owner module -> its parameters
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
+        self.versions: dict[str, int] = {}  # pending module -> its parameters' version counters' sum then
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.in_table = {id(parameter) for parameter in table.parameters.values()}
         self.steps_subsets = True  # the optimizer's step updates the parameters of its groups alone
@@ -55,6 +59,7 @@ class DeferredUpdates:
                 if complete:
                     self._subset(complete).step(optimizer)
                 self.pending = {m: hyper for m in incomplete}
+                self.versions = {m: self._version_sum(m) for m in incomplete}
 
     def apply(self, module_name: str, executor: PlanExecutor) -> float:
         """Wait for the ops of a pending module and update it, with every pending module whose ops
@@ -69,6 +74,7 @@ class DeferredUpdates:
 
         self.clock.wait(executor, wait_for_the_modules_ops)
         ready = [m for m in self.pending if m == module_name or self._complete(executor, m)]
+        self._refuse_written(ready)
         with self.clock.updating():
             self._subset(ready).step(self.optimizer, self.pending[module_name])
             for name in ready:
@@ -103,6 +109,19 @@ class DeferredUpdates:
         for parameter in others:
             if id(parameter) not in self.in_table and parameter.grad is not None:
                 _zero_gradient(parameter, set_to_none)
+
+    def _refuse_written(self, modules: list[str]) -> None:
+        """ParametersChangedBeforeUpdate if a parameter of `modules` was written in place since the step."""
+        written = [name for m in modules if self._version_sum(m) != self.versions[m] for name in self.table.owners[m]]
+        if written:
+            raise ParametersChangedBeforeUpdate(
+                f"parameter(s) {written[:4]}{' ...' if len(written) > 4 else ''} were written in place after "
+                "optimizer.step(), while their update waited for their next forward: it would land on what was "
+                "written. Call optimizer.synchronize() after the step and before writing them (or read them)")
+
+    def _version_sum(self, module_name: str) -> int:
+        """The sum of the version counters of the module's parameters (each only grows)."""
+        return sum(self.table.parameters[name]._version for name in self.table.owners[module_name])
 
     def _subset(self, modules: list[str]) -> ParameterSubset:
         """The parameters of the owner `modules`, for one optimizer call."""

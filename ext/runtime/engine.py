@@ -634,8 +634,15 @@ class GradSync:
             raise
 
     def detach(self) -> None:
-        """Remove every hook, apply pending updates and release the channels."""
-        self.flush()
+        """Apply pending updates, remove every hook and release the channels; where the updates are
+        refused (gradients or parameters changed before them), detach all the same, then raise."""
+        try:
+            self.flush()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Remove every hook, give the model torch's zero_grad back and release the channels."""
         self._hook_arrivals(False)
         self.begins_at_outputs = False
         for handle in [*self.handles, *self.forward_hooks.values(), *self.gradient_hooks.values()]:
