@@ -11,7 +11,8 @@
 3. ``"nonfinite": "skip"`` with a NaN batch on rank 1, beside plain DeepSpeed (no gradsync section)
    on the same batches without that one, both with a warm-up LR schedule;
 4. every non-compressing scheduler at ZeRO stages 0 (fp32 and bf16), 1 and 2 (bf16; and fp32 with
-   one), with gradient accumulation and clipping, beside DeepSpeed's own run of the same config;
+   one), with gradient accumulation and clipping, beside DeepSpeed's own run of the same config; and
+   at stage 2 in fp32 a NaN in one micro-batch, skipped as DeepSpeed skips it;
 5. ``acp_sgd`` under ZeRO stages 1 and 2, and at stage 0 in bf16: training, replicas, and a
    checkpoint round trip;
 6. fp16 under ZeRO stage 2 with overflowing first steps, and at stage 0 with an overflowing batch,
@@ -218,6 +219,15 @@ def skipped_step_against_plain_deepspeed(rank: int, cost_path: str) -> dict:
     return result
 
 
+def nan_under_zero_against_deepspeed(rank: int, cost_path: str) -> dict:
+    """A NaN in one micro-batch under ZeRO stage 2 in fp32, the section's defaults: DeepSpeed's ZeRO
+    optimizer skips that step, with gradsync as without it."""
+    reference, plain = trained(zero_config(2, "fp32"), rank, nan_at=4)
+    ours, info = trained(zero_config(2, "fp32", {"scheduler": "wfbp", "cost": cost_path}), rank, nan_at=4)
+    return {"skipped_steps": (info["skipped_steps"], plain["skipped_steps"]), "finite": info["finite"],
+            "max_abs_difference": (ours - reference).abs().max().item()}
+
+
 FP16_RUNS = {"fp16": 2, "fp16_stage0": 0}  # result key -> ZeRO stage
 SCHEDULERS = ("wfbp", "ddp", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte", "auto")
 
@@ -236,10 +246,11 @@ def zero_config(stage: int, precision: str, section: dict | None = None) -> dict
     return config if section is None else {**config, "gradsync": section}
 
 
-def trained(config: dict, rank: int, steps: int = 10, overflow_at: int | None = None) -> tuple[torch.Tensor, dict]:
+def trained(config: dict, rank: int, steps: int = 10, overflow_at: int | None = None,
+            nan_at: int | None = None) -> tuple[torch.Tensor, dict]:
     """The parameters (fp32) after `steps` optimizer steps of plain deepspeed.initialize on `config`;
     the last rank's micro-batch `overflow_at`, if given, beyond fp16's range (rank 1 of the CPU's two
-    ranks; the one rank of the CUDA run)."""
+    ranks; the one rank of the CUDA run), and its micro-batch `nan_at` holding a NaN."""
     model = mlp()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     accumulation = config["gradient_accumulation_steps"]
@@ -249,6 +260,8 @@ def trained(config: dict, rank: int, steps: int = 10, overflow_at: int | None = 
         x, y = (tensor.to(engine.device) for tensor in batch(rank, micro))
         if micro == overflow_at and rank == dist.get_world_size() - 1:
             x = x * 1e6
+        if micro == nan_at and rank == dist.get_world_size() - 1:
+            x[0, 0] = float("nan")
         dtype = torch.bfloat16 if "bf16" in config else torch.float16 if "fp16" in config else torch.float32
         engine.backward(nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
         engine.step()
@@ -413,6 +426,7 @@ def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
             "acp_sgd_bf16": compressed_with_checkpoint(rank, out / "checkpoint_bf16", 0, "bf16", cost),
             "skip": skipped_step_against_plain_deepspeed(rank, cost),
             "stages": stages_against_deepspeed(rank, cost),
+            "nan_zero2": nan_under_zero_against_deepspeed(rank, cost),
             **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()},
             "unused_layer": unused_layer_against_deepspeed(rank, cost)}
 

@@ -217,8 +217,11 @@ def test_fp16_overflows_are_not_errors(no_deepspeed_start):
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-@pytest.mark.parametrize("precision, default", [("fp16", "ignore"), ("bf16", "ignore"), (None, "raise")])
-def test_overflows_reach_deepspeeds_own_check_under_mixed_precision(attach_arguments, precision, default, stage):
+@pytest.mark.parametrize("precision", ["fp16", "bf16", None])
+def test_overflows_reach_deepspeeds_own_check_under_mixed_precision_and_zero(attach_arguments, precision, stage):
+    """Where DeepSpeed's optimizer checks the averaged gradients for overflow (fp16, bf16, ZeRO), the
+    default lets them through to it; where the user's optimizer steps (stage 0 in fp32), it raises."""
+    default = "raise" if precision is None and stage == 0 else "ignore"
     zero = {"zero_optimization": {"stage": stage}}
     accepted({}, **zero, **({precision: {"enabled": True}} if precision else {}))
     accepted({"nonfinite": "skip"}, **zero, **({precision: {"enabled": True}} if precision else {}))
@@ -375,6 +378,12 @@ def test_every_scheduler_under_zero_stages_trains_as_deepspeed_does(two_rank_job
             assert run["collectives"] == ["reduce_scatter"], name
         elif precision == "bf16":  # DeepSpeed's bf16 optimizer, taken over
             assert run["optimizer"] == "GradSync" + run["deepspeed_optimizer"] == "GradSyncFP16_UnfusedOptimizer"
+
+
+def test_a_nan_under_zero_in_fp32_is_skipped_as_deepspeed_skips_it(two_rank_job):
+    result = two_rank_job["nan_zero2"]
+    assert result["skipped_steps"] == [1, 1] and result["finite"]
+    assert result["max_abs_difference"] <= 1e-6
 
 
 def test_a_layer_no_rank_uses_gets_zeros_as_under_deepspeeds_all_reduce(two_rank_job):

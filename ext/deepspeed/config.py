@@ -149,9 +149,10 @@ def _precision(config: DeepSpeedConfig) -> str:
 
 
 def default_nonfinite(config: DeepSpeedConfig) -> str | None:
-    """The section's default `nonfinite`: "ignore" under fp16 or bf16, whose optimizers check the
-    averaged gradients for overflow themselves and skip the step (None: ``gradsync.wrap``'s)."""
-    return "ignore" if _precision(config) != "fp32" else None
+    """The section's default `nonfinite`: "ignore" under fp16 or bf16 and under ZeRO stages 1 and 2,
+    whose optimizers check the averaged gradients for overflow themselves and skip the step (None:
+    ``gradsync.wrap``'s, where the user's optimizer would step on them)."""
+    return "ignore" if _precision(config) != "fp32" or config.zero_optimization_stage in (1, 2) else None
 
 
 def _check_zero(config: DeepSpeedConfig, optimizer) -> None:
