@@ -12,7 +12,8 @@
    on the same batches without that one, both with a warm-up LR schedule;
 4. every non-compressing scheduler at ZeRO stages 0 (fp32 and bf16), 1 and 2 (bf16; and fp32 with
    one), with gradient accumulation and clipping, beside DeepSpeed's own run of the same config; and
-   at stage 2 in fp32 a NaN in one micro-batch, skipped as DeepSpeed skips it;
+   at stage 2 in fp32 a NaN in one micro-batch, skipped as DeepSpeed skips it, and steps of two
+   backward passes (DeepSpeed's ``coalesce_grad_reduction``, refused; boundaries marked instead);
 5. ``acp_sgd`` under ZeRO stages 1 and 2, and at stage 0 in bf16: training, replicas, and a
    checkpoint round trip;
 6. fp16 under ZeRO stage 2 with overflowing first steps, and at stage 0 with an overflowing batch,
@@ -228,6 +229,42 @@ def nan_under_zero_against_deepspeed(rank: int, cost_path: str) -> dict:
             "max_abs_difference": (ours - reference).abs().max().item()}
 
 
+def coalesced_against_marked_boundaries(rank: int, cost_path: str) -> dict:
+    """Steps of two backward passes under ZeRO stage 2: DeepSpeed's own run reducing them once with
+    ``coalesce_grad_reduction()``; gradsync's refusal of that context, and its run marking the
+    boundary before each backward pass instead, as the refusal says."""
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0, "optimizer": SGD,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, **QUIET}
+
+    def loss(engine, micro: int) -> torch.Tensor:
+        x, y = batch(rank, micro)
+        return nn.functional.mse_loss(engine(x), y)
+
+    model = mlp()
+    plain, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    model = mlp()
+    ours, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                         config={**config, "gradsync": {"scheduler": "wfbp", "cost": cost_path}})
+    try:
+        with ours.coalesce_grad_reduction():
+            refusal = None
+    except NotImplementedError as error:
+        refusal = str(error)
+    for step in range(4):
+        with plain.coalesce_grad_reduction():
+            for micro in (2 * step, 2 * step + 1):
+                plain.backward(loss(plain, micro))
+        plain.step()
+        for micro in (2 * step, 2 * step + 1):
+            ours.set_gradient_accumulation_boundary(micro % 2 == 1)
+            ours.backward(loss(ours, micro))
+        ours.step()
+    result = {"refusal": refusal, "max_abs_difference": (flat(ours.module) - flat(plain.module)).abs().max().item()}
+    plain.destroy()
+    ours.destroy()
+    return result
+
+
 FP16_RUNS = {"fp16": 2, "fp16_stage0": 0}  # result key -> ZeRO stage
 SCHEDULERS = ("wfbp", "ddp", "mg_wfbp", "optimal_merge", "asc_wfbp", "bytescheduler", "us_byte", "auto")
 
@@ -427,6 +464,7 @@ def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
             "skip": skipped_step_against_plain_deepspeed(rank, cost),
             "stages": stages_against_deepspeed(rank, cost),
             "nan_zero2": nan_under_zero_against_deepspeed(rank, cost),
+            "coalesced": coalesced_against_marked_boundaries(rank, cost),
             **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()},
             "unused_layer": unused_layer_against_deepspeed(rank, cost)}
 

@@ -386,6 +386,12 @@ def test_a_nan_under_zero_in_fp32_is_skipped_as_deepspeed_skips_it(two_rank_job)
     assert result["max_abs_difference"] <= 1e-6
 
 
+def test_coalesced_reduction_is_refused_naming_the_boundaries_which_train_alike(two_rank_job):
+    result = two_rank_job["coalesced"]
+    assert "set_gradient_accumulation_boundary(False)" in result["refusal"]
+    assert result["max_abs_difference"] <= 1e-6
+
+
 def test_a_layer_no_rank_uses_gets_zeros_as_under_deepspeeds_all_reduce(two_rank_job):
     """Momentum and weight decay move a layer on the steps where no rank used it, as under DeepSpeed."""
     assert two_rank_job["unused_layer"] == {"wfbp": pytest.approx(0, abs=1e-6), "us_byte": pytest.approx(0, abs=1e-6)}

@@ -113,6 +113,16 @@ class GradSyncEngine:
         with no_sync(self.module) if local else contextlib.nullcontext():
             return super().backward(loss, *args, **kwargs)
 
+    def coalesce_grad_reduction(self):
+        """Refused: DeepSpeed's context reduces the gradients once its block ends, after the last
+        backward pass; gradsync reduces them during the backward pass of the accumulation boundary,
+        which must be known as it starts."""
+        raise NotImplementedError(
+            "gradsync synchronises the gradients in the backward pass of the accumulation boundary, so it cannot "
+            "reduce them after a coalesce_grad_reduction() block: mark the boundary instead, with "
+            "engine.set_gradient_accumulation_boundary(False) before each backward of the step but the last and "
+            "set_gradient_accumulation_boundary(True) before the last (or let 'gradient_accumulation_steps' do it)")
+
     def step(self, *args, **kwargs):
         """DeepSpeed's step, then the iteration's statistics to its monitor (rank 0's)."""
         output = super().step(*args, **kwargs)
