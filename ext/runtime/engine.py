@@ -274,8 +274,16 @@ class GradSync:
         the others before zeroing). Where the iteration began at the outputs, a pass that bypassed them
         may have accumulated into them (step 3 of ``output_start``); else, the arrival hooks refusing
         such a pass, they were changed in place or replaced, as clipping or a GradScaler's unscale_
-        does before ``optimizer.synchronize()``."""
+        does before ``optimizer.synchronize()``. After the step, while updates wait for their layer's
+        next forward (``deferred``), they were cleared by hand rather than by a zero_grad."""
         self.gradients_held = True
+        if self.deferred.pending:
+            raise GradientsChangedInFlight(
+                f"gradients being averaged ({op} of the plan) were changed after optimizer.step(), while their "
+                "layer's update waited for them until its next forward: cleared by hand (p.grad = None, "
+                "p.grad.zero_()) or written. The update needs their averages: clear gradients with "
+                "optimizer.zero_grad() or model.zero_grad(), which leave them to that update, or call "
+                "optimizer.synchronize() after the step first")
         if self.begins_at_outputs:
             self._leave_outputs()
             raise GradientsChangedInFlight(

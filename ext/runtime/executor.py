@@ -416,15 +416,20 @@ class PlanExecutor:
         if self.times_ops and not self.timed_on_device and state.completes_unwatched:
             self._note_completion(index, state.work)
 
-    def refuse_changed_in_flight(self) -> None:
+    def refuse_changed_in_flight(self, after_landings: bool = False) -> None:
         """Call `in_flight_watch` (which raises) with the first op in flight whose gradients changed
         since the backward pass ended (``runtime.in_flight``), before the step or a read of the
-        gradients collects any. Once an iteration: after a refusal the ops land as they are (the
-        next zero_grad waits for them)."""
+        gradients collects any; `after_landings`: some ops have landed since (after the step), so
+        the ops carrying a part of a tensor that others carry too are left out (those landings wrote
+        into its gradient). Once an iteration: after a refusal the ops land as they are (the next
+        zero_grad waits for them)."""
         if self.in_flight_watch is None or self.versions is None:
             return
+        changed = self.versions.changed_since_landings if after_landings else self.versions.changed
         for index, state in enumerate(self.ops):
-            if state.work is not None and not state.done and self.versions.changed(index, state):
+            if after_landings and any(self.op_counts[name] > 1 for name in state.tensors):
+                continue
+            if state.work is not None and not state.done and changed(index, state):
                 watch, self.in_flight_watch = self.in_flight_watch, None
                 watch(state.label)
 

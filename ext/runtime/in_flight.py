@@ -13,7 +13,9 @@ So (``PlanExecutor.refuse_changed_in_flight``):
    executor lands them) share its counter, which each of them accumulating moves;
 2. at the step, or at ``optimizer.synchronize()``, before any op is collected, each op in flight is
    compared with them; the first that changed is refused, so that a refused step lands nothing and
-   applies no update, deferred ones included.
+   applies no update, deferred ones included. Again before each update deferred to a layer's next
+   forward: gradients cleared by hand after the step (not by a zero_grad, which leaves them to it)
+   would leave that update without its averages.
 
 The backends write the buffers without moving their counters. Not watched: plans of reduce-scatters,
 which release each gradient once it is copied in, and the forest transport, which writes the
@@ -52,6 +54,15 @@ class GradientVersions:
         held, versions = self.gradients[index]
         grads = [parameter.grad for parameter in op.parameters]
         return not all(map(operator.is_, grads, held)) or _version_sum(grads) != versions
+
+    def changed_since_landings(self, index: int, op) -> bool:
+        """`changed`, once other ops have landed (after the step): a gradient held is compared by
+        identity alone, as it may be a view of a buffer of the plan before (the measurement's one op),
+        whose counter their landings moved; an op's own buffer moves only with its spans."""
+        if index in self.buffers:
+            return op.buffer._version != self.buffers[index]
+        held, _ = self.gradients[index]
+        return not all(map(operator.is_, (parameter.grad for parameter in op.parameters), held))
 
 
 def _version_sum(grads: list[torch.Tensor | None]) -> int:
