@@ -202,19 +202,42 @@ def test_a_copy_of_the_model_gets_torchs_zero_grad(monkeypatch):
     assert copied.weight.grad is None and zeroed == [False]  # torch's own, on the copy
 
 
-def sharded_optimizer_beside_ddp(rank, world_size):
-    """4 steps of us_byte (its input-side updates deferred to the next forward with torch's
-    optimizers) with a ZeroRedundancyOptimizer, which steps its shard of every parameter whatever
-    its groups hold, beside torch DDP with one: the most updates left pending after a step, and
-    the distance to DDP's parameters."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer  # (its import warns: in the ranks alone)
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on gradients scaled to a global norm of at most 1, its steps counted in each group (as
+    LAMB and LARS implementations do): an update that reads every parameter's gradient and the group."""
 
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr, "step": 0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        scale = min(1.0, 1.0 / (torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item() + 1e-12))
+        for group in self.param_groups:
+            group["step"] += 1
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.add_(parameter.grad, alpha=-group["lr"] * scale / group["step"] ** 0.5)
+
+
+def optimizers(kind: str, parameters):
+    if kind == "zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # (its import warns: in the ranks alone)
+
+        return ZeroRedundancyOptimizer(parameters, torch.optim.Adam, lr=0.01)
+    return GlobalNormSGD(parameters, lr=0.5) if kind == "global_norm" else torch.optim.Adam(parameters, lr=0.01)
+
+
+def optimizer_beside_ddp(rank, world_size, kind):
+    """4 steps of us_byte (its input-side updates deferred to the next forward with torch's own
+    optimizers) with the optimizer `kind`, beside torch DDP with one: the most updates left
+    pending after a step, and the distance to DDP's parameters."""
     torch.manual_seed(5)
     model = HeadFirst()
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    model, optimizer = gradsync.wrap(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01),
-                                     scheduler="us_byte", profile=_profile(model), cost=COST, partition_bytes=256)
-    ref_optimizer = ZeroRedundancyOptimizer(reference.parameters(), torch.optim.Adam, lr=0.01)
+    model, optimizer = gradsync.wrap(model, optimizers(kind, model.parameters()), scheduler="us_byte",
+                                     profile=_profile(model), cost=COST, partition_bytes=256)
+    ref_optimizer = optimizers(kind, reference.parameters())
     pending = 0
     for step in range(4):
         tokens, targets = batch(rank, step)
@@ -223,14 +246,19 @@ def sharded_optimizer_beside_ddp(rank, world_size):
             F.cross_entropy(network(tokens), targets).backward()
             stepper.step()
         pending = max(pending, len(attached(model).deferred.pending))
+    optimizer.synchronize()
     apart = distance(model, reference)
     attached(model).detach()
     return pending, apart
 
 
-def test_an_optimizer_that_steps_every_parameter_waits_for_every_op_before_the_step():
-    for pending, apart in run_local(sharded_optimizer_beside_ddp, 2):
-        assert pending == 0
+@pytest.mark.parametrize("kind", ["zero_redundancy", "global_norm", "torch_adam"])
+def test_optimizers_other_than_torchs_own_wait_for_every_op_before_the_step(kind):
+    """ZeroRedundancyOptimizer steps its shard of every parameter whatever its groups hold; a LAMB-like
+    step reads the global norm and counts in the group: their updates are not deferred. torch's own
+    optimizers' are."""
+    for pending, apart in run_local(optimizer_beside_ddp, 2, kind):
+        assert (pending > 0) == (kind == "torch_adam")
         assert apart < 1e-6
 
 

@@ -5,7 +5,6 @@ place meanwhile (their version counters moved) are refused before their update: 
 what was written."""
 from __future__ import annotations
 
-import sys
 import time
 from typing import Iterable
 
@@ -32,7 +31,7 @@ class DeferredUpdates:
         self.versions: dict[str, int] = {}  # pending module -> its parameters' version counters' sum then
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
         self.in_table = {id(parameter) for parameter in table.parameters.values()}
-        self.steps_subsets = True  # the optimizer's step updates the parameters of its groups alone
+        self.steps_subsets = True  # the optimizer's step may update a subset of the parameters at a time
 
     def bind(self, optimizer) -> None:
         """Update with `optimizer` (its parameters checked against the table)."""
@@ -153,11 +152,10 @@ def _zero_gradients(names, parameters, set_to_none: bool) -> None:
 
 
 def steps_subsets(optimizer) -> bool:
-    """Whether `optimizer.step()` updates the parameters its groups hold at the call, and no others,
-    as torch's optimizers do (``ParameterSubset.step``). ZeroRedundancyOptimizer steps its rank's
-    shard of every parameter and then broadcasts them all, and PostLocalSGDOptimizer averages every
-    parameter now and then: an update deferred to the next forward would be applied before its
-    gradients are averaged. (Not imported here: importing torch.distributed.optim warns, and an
-    optimizer of its classes has imported it.)"""
-    optim = sys.modules.get("torch.distributed.optim")
-    return optim is None or not isinstance(optimizer, (optim.ZeroRedundancyOptimizer, optim.PostLocalSGDOptimizer))
+    """Whether `optimizer.step()` may update a subset of the parameters at a time, as torch's own
+    optimizers (``torch.optim``) may: each parameter's update reads its own gradient and state alone
+    (``ParameterSubset.step``). Any other step may read more (a global gradient norm, a counter in
+    the group, the shards of every parameter: ZeroRedundancyOptimizer, PostLocalSGDOptimizer, LAMB
+    and LARS implementations), so its updates wait for every op at the step instead."""
+    owner = next(cls for cls in type(optimizer).__mro__ if "step" in vars(cls))
+    return owner.__module__.startswith("torch.optim.")

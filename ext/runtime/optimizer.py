@@ -2,7 +2,7 @@
 
 It can update a subset of the parameters at a time (the rest wait for their forward-phase ops):
 the wrapped optimizer's parameter lists are swapped for the subset's for the duration of one
-``step``, which works for every torch optimizer whose update is per parameter (SGD, Adam, AdamW,
+``step``, which works for every optimizer whose update is per parameter, as torch's own (SGD, Adam, AdamW,
 RMSprop, ...). Deferred updates use the hyper-parameters the groups had when ``step`` was called,
 so an LR scheduler stepping in between does not leak into them.
 """
