@@ -193,35 +193,49 @@ def test_iterations_begin_at_the_outputs_on_cuda_over_nccl(plan):
     assert all(difference < 1e-6 for _, _, difference in record)
 
 
-def generator_and_discriminator(rank, world_size, front: str):
+def generator_and_discriminator(rank, world_size, front: str, generator_first: bool = False):
     """A GAN's alternating steps, the discriminator frozen (requires_grad off) for the generator's:
-    under gradsync (two runtimes, DDP's buckets, whose iterations may begin at the outputs), or
-    under torch DDP. Both models' parameters after 8 steps (the discriminator's iterations begin at
-    its outputs from the fifth), and whether the discriminator's may begin at its outputs then."""
+    under gradsync (two runtimes, DDP's buckets, whose iterations may begin at the outputs; or, for
+    the discriminator, ByteScheduler's blocks, which launch as the gradients are ready), or under
+    torch DDP; `generator_first`: each round begins with the generator's step, so the
+    discriminator's first forward runs frozen. Both models' parameters after 8 rounds (the
+    discriminator's iterations begin at its outputs from the fifth under DDP's buckets), and
+    whether the discriminator's may begin at its outputs then."""
     torch.manual_seed(0)
     generator, discriminator = (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)),
                                 nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)))
     g_optimizer = torch.optim.SGD(generator.parameters(), lr=0.05)
     d_optimizer = torch.optim.SGD(discriminator.parameters(), lr=0.05)
-    if front == "gradsync":
+    if front != "ddp":
         g, g_optimizer = gradsync.wrap(generator, g_optimizer, scheduler="ddp", cost=COST)
-        d, d_optimizer = gradsync.wrap(discriminator, d_optimizer, scheduler="ddp", cost=COST)
+        blocks = {"profile": ParameterTable.of(discriminator).profile("d", None, {"0": 1e-3, "2": 1e-3},
+                                                                       {"0": 2e-3, "2": 2e-3}),
+                  "partition_bytes": 64} if front == "bytescheduler" else {}
+        d, d_optimizer = gradsync.wrap(discriminator, d_optimizer, scheduler=front.replace("gradsync", "ddp"),
+                                       cost=COST, **blocks)
     else:
         g, d = nn.parallel.DistributedDataParallel(generator), nn.parallel.DistributedDataParallel(discriminator)
     numbers = torch.Generator().manual_seed(rank)
-    for _ in range(8):
-        real, noise = torch.randn(6, 8, generator=numbers), torch.randn(6, 4, generator=numbers)
+
+    def discriminator_step(fake):
         d_optimizer.zero_grad()
-        fake = g(noise)
         (F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()).backward()
         d_optimizer.step()
+
+    def generator_step(fake):
         g_optimizer.zero_grad()
         discriminator.requires_grad_(False)
         F.softplus(-d(fake)).mean().backward()
         g_optimizer.step()
         discriminator.requires_grad_(True)
+
+    for _ in range(8):
+        real, noise = torch.randn(6, 8, generator=numbers), torch.randn(6, 4, generator=numbers)
+        fake = g(noise)
+        for step in (generator_step, discriminator_step) if generator_first else (discriminator_step, generator_step):
+            step(fake)
     outputs_begin = None
-    if front == "gradsync":
+    if front != "ddp":
         outputs_begin = attached(discriminator).outputs_may_begin
         for model in (generator, discriminator):
             attached(model).detach()
@@ -231,11 +245,15 @@ def generator_and_discriminator(rank, world_size, front: str):
 def test_a_model_frozen_for_another_models_step_trains_as_under_torch_ddp():
     """The discriminator's runtime, its plans installed while its parameters were frozen, lets its
     iterations begin at the outputs once they train again; a pass in which none of its parameters
-    trains is no iteration of it, and takes no hook on a frozen parameter."""
+    trains is no iteration of it, and takes no hook on a frozen parameter: neither an arrival hook
+    nor, where its first forward runs frozen under ByteScheduler's plan, a ready hook."""
     ours, theirs = (run_local(generator_and_discriminator, 2, front) for front in ("gradsync", "ddp"))
     for (mine, outputs_begin), (reference, _) in zip(ours, theirs):
         assert max((p - q).abs().max().item() for p, q in zip(mine, reference)) < 1e-6
         assert outputs_begin
+    ours, theirs = (run_local(generator_and_discriminator, 2, front, True) for front in ("bytescheduler", "ddp"))
+    for (mine, _), (reference, _) in zip(ours, theirs):
+        assert max((p - q).abs().max().item() for p, q in zip(mine, reference)) < 1e-6
 
 
 @dataclasses.dataclass

@@ -112,6 +112,7 @@ class GradSync:
                                                                            self._pre_forward_borrowing(owners))))
         self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
         self.gradient_hooks: dict[str, object] = {}  # parameter -> the handle of its post-accumulate-grad hook
+        self.ready_wanted: set[str] = set()  # the parameters the plans in force want ready hooks on
         self.hooks_made_for: tuple | None = None  # (plans, timing layers) the hooks were chosen for
         self.forward_hooks_base: set[str] = set()
         for module_name, module in table.modules.items():
@@ -420,6 +421,8 @@ class GradSync:
             self.outputs_await_accumulators = watchable and not self.outputs_may_begin  # retried when they can
             if not self.outputs_may_begin and self.begins_at_outputs:
                 self._hook_arrivals(True)
+        elif len(self.gradient_hooks) < len(self.ready_wanted):  # some were frozen then
+            self._hook_gradients(self.ready_wanted)
         wanted = self.forward_hooks_base | self.deferred.pending.keys()
         if wanted == self.forward_hooks.keys():
             return
@@ -431,12 +434,16 @@ class GradSync:
                 on_module(module, self._pre_forward_for(module_name)))
 
     def _hook_gradients(self, wanted: set[str]) -> None:
-        """Ready hooks on the parameters in `wanted`, none on the others."""
+        """Ready hooks on the parameters in `wanted` that train now, none on the others. A parameter
+        frozen for now (a GAN's discriminator during the generator's step) takes its hook at the
+        first forward after it trains again (`_hooks_where_needed`), as its arrival hook does."""
+        self.ready_wanted = wanted
         for name in self.gradient_hooks.keys() - wanted:
             self.gradient_hooks.pop(name).remove()
         for name in wanted - self.gradient_hooks.keys():
-            self.gradient_hooks[name] = self.table.parameters[name].register_post_accumulate_grad_hook(
-                self._ready_hook_for(name))
+            parameter = self.table.parameters[name]
+            if parameter.requires_grad:
+                self.gradient_hooks[name] = parameter.register_post_accumulate_grad_hook(self._ready_hook_for(name))
 
     def _pre_forward_for(self, module_name: str):
         def pre_forward(_module, _inputs):
