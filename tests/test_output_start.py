@@ -274,11 +274,27 @@ class ReturnsDataclass(nn.Module):
         return Prediction(self.last(hidden), ({"hidden": hidden},))
 
 
+def penalised_loss(network: nn.Module, case: str, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy plus, for "input_penalty", the squared gradient of the outputs with respect
+    to the inputs (WGAN-GP's, R1's), or, for "gradient_penalty", the squared gradients of the loss
+    with respect to the parameters; each taken with ``torch.autograd.grad``, a pass that accumulates
+    no gradient, before the backward pass."""
+    if case == "input_penalty":
+        inputs = inputs.clone().requires_grad_(True)
+        outputs = network(inputs)
+        slope, = torch.autograd.grad(outputs.sum(), inputs, create_graph=True)
+        return F.cross_entropy(outputs, targets) + 0.1 * slope.square().sum()
+    loss = F.cross_entropy(network(inputs), targets)
+    gradients = torch.autograd.grad(loss, list(network.parameters()), create_graph=True)
+    return loss + 0.1 * sum(gradient.square().sum() for gradient in gradients)
+
+
 def beside_ddp_with_the_outputs_start(rank, world_size, case: str):
     """8 steps of `case` beside torch DDP: "dataclass", a model whose forward returns a dataclass;
     "inference", each step followed by an evaluation under torch.inference_mode (where even
-    enable_grad records no graph). The distance to DDP's parameters, and whether the iterations
-    began at the outputs by then."""
+    enable_grad records no graph); "input_penalty" and "gradient_penalty", losses with a penalty
+    taken by ``torch.autograd.grad`` (`penalised_loss`). The distance to DDP's parameters, and
+    whether the iterations began at the outputs by then."""
     torch.manual_seed(0)
     model = ReturnsDataclass() if case == "dataclass" else nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
     logits = (lambda outputs: outputs.logits) if case == "dataclass" else (lambda outputs: outputs)
@@ -290,7 +306,10 @@ def beside_ddp_with_the_outputs_start(rank, world_size, case: str):
         inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
         for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
             stepper.zero_grad()
-            F.cross_entropy(logits(network(inputs)), targets).backward()
+            if case.endswith("penalty"):
+                penalised_loss(network, case, inputs, targets).backward()
+            else:
+                F.cross_entropy(logits(network(inputs)), targets).backward()
             stepper.step()
             if case == "inference":
                 with torch.inference_mode():
@@ -306,3 +325,15 @@ def test_a_dataclass_output_or_an_inference_mode_evaluation_lets_the_outputs_beg
     for apart, began in run_local(beside_ddp_with_the_outputs_start, 2, case):
         assert apart < 1e-6
         assert began
+
+
+@pytest.mark.parametrize("case", ["input_penalty", "gradient_penalty"])
+def test_a_pass_of_torch_autograd_grad_before_the_backward_pass_is_no_iteration(case):
+    """A penalty's ``torch.autograd.grad`` pass reaches the outputs' hooks (the inputs' penalty)
+    or the parameters' (their gradients' penalty), and accumulates nothing: no iteration begins
+    there, under the parameters' hooks and at the outputs alike, and the backward pass after it
+    trains as under torch DDP. Over the inputs the graph names no parameter: the parameters' hooks
+    begin the iterations from then on."""
+    for apart, began in run_local(beside_ddp_with_the_outputs_start, 2, case):
+        assert apart < 1e-6
+        assert began == (case == "gradient_penalty")

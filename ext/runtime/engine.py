@@ -176,9 +176,12 @@ class GradSync:
         (no hook of `_ready_hook_for` on it) is marked ready here, the ops reading it once the pass is
         over. A backward pass after a synchronised one, with neither optimizer.step() nor
         optimizer.zero_grad() between, would add its gradients to the averaged ones, some in buffers
-        still being reduced: refused before its first gradient accumulates."""
+        still being reduced: refused before its first gradient accumulates. A pass that accumulates
+        no gradient (``torch.autograd.grad`` over the parameters) is no iteration, as under torch DDP."""
         def arriving(_gradient):
             if not self.in_backward:
+                if not self.output_start.accumulates(name):
+                    return
                 self._refuse_if_held()
                 if not self.enabled:  # counted as used by the next synchronised backward, as torch DDP does
                     self.used_unsynced.add(name)
@@ -246,10 +249,14 @@ class GradSync:
         parameters of a no_sync pass, or begin; the hooks are back at once, for the rest of the pass,
         where the graph leaves a parameter out."""
         used = self.output_start.used_in_graph()
-        if used is None:  # torch.autograd.grad: no gradient accumulates
+        if used is None:  # torch.autograd.grad over the parameters: no gradient accumulates
             return
         left_out = self._trainable_left_out(used)  # (one frozen for now has no gradient in this pass)
-        if not used and not left_out:  # none trains in this pass: no iteration, as no arrival hook would fire
+        if not used:  # none trains in this pass, or the graph cannot tell (torch.autograd.grad over the
+            # inputs, as a gradient penalty takes; the whole model in a reentrant checkpoint): the
+            # parameters' hooks decide, from now on
+            if left_out:
+                self._leave_outputs()
             return
         self._refuse_if_held()
         if not self.enabled:

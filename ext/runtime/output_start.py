@@ -14,7 +14,10 @@ launch before the pass ends stay:
    (``torch._C._will_engine_execute_node`` on each parameter's gradient accumulator,
    `used_in_graph`). The outputs begin only while that names every parameter: a parameter the
    graph cannot see (one a reentrant checkpoint's inner backward pass reaches) then cannot be left
-   out, and where one is missing the per-parameter hooks are back at once, for the rest of the pass;
+   out, and where one is missing the per-parameter hooks are back at once, for the rest of the pass.
+   A pass whose graph names no parameter (``torch.autograd.grad`` over the inputs, as a gradient
+   penalty takes) begins nothing there: the hooks are back and begin the iteration if a parameter's
+   gradient comes;
 3. a later backward pass that bypasses the outputs (a loss on a submodule's output or on the
    parameters alone) writes the gradients of ops launched: into an op's buffer where a gradient is
    its span (a fused op's, after ``zero_gradients_in_place``), which moves the buffer's version
@@ -64,6 +67,18 @@ class OutputStart:
         step, has no accumulator)."""
         return not torch.is_inference_mode_enabled() and all(
             parameter.requires_grad for parameter in self.parameters.values())
+
+    def accumulates(self, name: str) -> bool:
+        """Whether the backward pass under way accumulates parameter `name`'s gradient: not under
+        ``torch.autograd.grad`` over the parameters (a penalty on their gradients), whose gradients
+        their hooks see all the same."""
+        parameter = self.parameters[name]
+        with torch.enable_grad():
+            accumulator = parameter.view_as(parameter).grad_fn.next_functions[0][0]
+        try:
+            return torch._C._will_engine_execute_node(accumulator)
+        except RuntimeError:  # "A leaf node was passed to _will_engine_execute_node ... autograd.grad()"
+            return False
 
     def used_in_graph(self) -> set[str] | None:
         """The parameters the backward pass under way produces a gradient for (step 2); None under
