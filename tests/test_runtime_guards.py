@@ -1,14 +1,16 @@
 """Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
 into the forward of tied weights, gradients cleared by the model's zero_grad before such an update,
-parameters written before their deferred update, parameters unfrozen after the wrap, dtype mixes
-the planners cannot separate, failed wraps."""
+parameters written before their deferred update or read before it, parameters unfrozen after the
+wrap, dtype mixes the planners cannot separate, failed wraps."""
 import copy
 import os
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 import gradsync
@@ -656,3 +658,83 @@ def test_channels_a_framework_never_releases_are_released_at_exit():
         assert process.returncode == 0, errors[-2000:]
         assert "trained: 2 channel group(s)" in output
         assert "left: 0 channel group(s); default group up: True" in output, (output, errors[-2000:])
+
+
+class ThreeLayers(nn.Module):
+    """Three linear layers; `loss` computes the training loss through them without the model's own
+    forward (as models whose training step is a method do); `forward(x, direct=True)` reads the last
+    layer's parameters directly instead of running that layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, inputs, direct: bool = False):
+        hidden = torch.tanh(self.middle(torch.tanh(self.first(inputs))))
+        return F.linear(hidden, self.last.weight, self.last.bias) if direct else self.last(hidden)
+
+    def loss(self, inputs, targets):
+        return F.cross_entropy(self.last(torch.tanh(self.middle(torch.tanh(self.first(inputs))))), targets)
+
+
+def deferred_beside_averaged_by_hand(rank, world_size, case: str):
+    """6 steps of momentum SGD with every update deferred to its layer's next forward (wfbp with
+    overlap_forward), beside a copy whose gradients are averaged by hand: "pruned", the middle layer
+    pruned (its weight computed from the parameters by a forward pre-hook registered before the
+    wrap); "method", the loss computed by a method of the model; "direct", the last layer's
+    parameters read directly by the model's forward on the odd steps. The distance to the copy, or
+    the error."""
+    def made():
+        torch.manual_seed(3)
+        network = ThreeLayers()
+        if case == "pruned":  # (a pruned module cannot be deep-copied: made twice alike)
+            torch.nn.utils.prune.l1_unstructured(network.middle, "weight", amount=0.25)
+        return network
+
+    model, reference = made(), made()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    table = ParameterTable.of(model)
+    profile = table.profile("three", ["first", "middle", "last"], dict.fromkeys(table.owners, 1e-3),
+                            dict.fromkeys(table.owners, 2e-3))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                     scheduler="wfbp", overlap_forward=True, profile=profile, cost=COST)
+
+    def loss(network, step):
+        generator = torch.Generator().manual_seed(100 * rank + step)
+        inputs, targets = torch.randn(6, 8, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+        if case == "method":
+            return network.loss(inputs, targets)
+        return F.cross_entropy(network(inputs, direct=case == "direct" and step % 2 == 1), targets)
+
+    try:
+        for step in range(6):
+            optimizer.zero_grad()
+            loss(model, step).backward()
+            optimizer.step()
+            ref_optimizer.zero_grad()
+            loss(reference, step).backward()
+            for parameter in reference.parameters():
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= world_size
+            ref_optimizer.step()
+        optimizer.synchronize()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        attached(model).detach()
+    return distance(model, reference)
+
+
+@pytest.mark.parametrize("case", ["pruned", "method"])
+def test_deferred_updates_land_before_pre_hooks_and_without_the_models_forward(case):
+    """The update runs before the module's other pre-forward hooks (pruning's mask, the older
+    weight_norm and spectral_norm compute the weight from the parameters there), and its hook is
+    in place from the step on, for layers run by a method of the model rather than its forward."""
+    assert run_local(deferred_beside_averaged_by_hand, 2, case) == [pytest.approx(0, abs=1e-6)] * 2
+
+
+def test_parameters_read_before_their_deferred_update_are_refused():
+    """The forward read the last layer's parameters without running it, before its update: refused as
+    the backward pass begins, before the update lands in place under the pass."""
+    for error in run_local(deferred_beside_averaged_by_hand, 2, "direct"):
+        assert "the forward read parameter(s) ['last.weight', 'last.bias'] before their update" in error

@@ -108,8 +108,8 @@ class GradSync:
         self.announced = False
         self._hook_arrivals(True)
         for module, owners in table.borrowers.values():
-            self.handles.append(module.register_forward_pre_hook(on_module(module,
-                                                                           self._pre_forward_borrowing(owners))))
+            self.handles.append(module.register_forward_pre_hook(
+                on_module(module, self._pre_forward_borrowing(owners)), prepend=True))
         self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
         self.gradient_hooks: dict[str, object] = {}  # parameter -> the handle of its post-accumulate-grad hook
         self.ready_wanted: set[str] = set()  # the parameters the plans in force want ready hooks on
@@ -333,6 +333,7 @@ class GradSync:
         self.announced = self.begins_at_outputs or (
             self.used_in_graph is not None and self.output_pass == torch._C._current_graph_task_id())
         self.silent.update(m for m in self.forward_hooks if m not in self.ran_forward)
+        self._refuse_read_before_update()
         self.flush_deferred()
         self.in_backward = True
         self.rounds_now = self.codec.rounds(self.sync_steps)
@@ -351,6 +352,19 @@ class GradSync:
         if self.trace is not None:
             self.trace.mark("backward start")
         Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _refuse_read_before_update(self) -> None:
+        """An update still pending as the backward pass begins is applied now, before the pass reads
+        the parameters; where the pass produces their gradients, the forward read them before it:
+        refused (a wrong gradient, or torch's error for a tensor changed in place) before any change."""
+        stale = [name for module_name in self.deferred.pending for name in self.table.owners[module_name]
+                 if self.output_start.accumulates(name)]
+        if stale:
+            raise RuntimeError(
+                f"the forward read parameter(s) {stale[:4]}{' ...' if len(stale) > 4 else ''} before their update, "
+                "which waited for their module's next forward (updates deferred under overlap_forward or "
+                "US-Byte's forward-phase ops): the forward reached them outside that module's own forward. Call "
+                "optimizer.synchronize() after the step, or wrap without deferring (overlap_forward=False)")
 
     def _start_buffers_broadcast(self) -> Callable[[], None]:
         """Start giving every rank rank 0's buffers; returns what completes it."""
@@ -430,6 +444,12 @@ class GradSync:
                 self._hook_arrivals(True)
         elif len(self.gradient_hooks) < len(self.ready_wanted):  # some were frozen then
             self._hook_gradients(self.ready_wanted)
+        self._hook_forwards()
+
+    def _hook_forwards(self) -> None:
+        """Pre-forward hooks on the modules the plans in force defer to the next forward and on those
+        with an update pending: the step calls it too, for the forward that follows even where the
+        model's own forward never runs (a method of the model calling its layers)."""
         wanted = self.forward_hooks_base | self.deferred.pending.keys()
         if wanted == self.forward_hooks.keys():
             return
@@ -437,8 +457,10 @@ class GradSync:
             self.forward_hooks.pop(module_name).remove()
         for module_name in wanted - self.forward_hooks.keys():
             module = self.table.modules[module_name]
+            # first among the module's hooks: one that computes a weight from the parameters (pruning's
+            # mask, the older weight_norm and spectral_norm) reads them once they are updated
             self.forward_hooks[module_name] = module.register_forward_pre_hook(
-                on_module(module, self._pre_forward_for(module_name)))
+                on_module(module, self._pre_forward_for(module_name)), prepend=True)
 
     def _hook_gradients(self, wanted: set[str]) -> None:
         """Ready hooks on the parameters in `wanted` that train now, none on the others. A parameter
@@ -480,6 +502,7 @@ class GradSync:
         executor = self._collect(everything=self.installed.nonfinite == "skip")
         if not executor.skip_step:
             self.deferred.step(optimizer, executor)
+            self._hook_forwards()
         self._finish_iteration()
         self._choose_start()
 
