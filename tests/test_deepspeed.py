@@ -107,10 +107,30 @@ def test_zero_stage_0_as_deepspeed_reads_it(attach_arguments, stage):
 
 def test_wrap_arguments_at_the_top_level(attach_arguments):
     accepted({"scheduler": "wfbp", "warmup_iterations": 0, "measure_iterations": 2, "plan_trials": 1,
-              "broadcast_buffers": False})
+              "broadcast_buffers": True, "cost": {"a": 1e-3, "b": 1e-8, "gamma": 1.5}})
     [arguments] = attach_arguments
     assert (arguments.warmup_iterations, arguments.measure_iterations, arguments.plan_trials,
-            arguments.broadcast_buffers) == (0, 2, 1, False)
+            arguments.broadcast_buffers) == (0, 2, 1, True)
+    assert (arguments.cost.a, arguments.cost.b, arguments.cost.gamma) == (1e-3, 1e-8, 1.5)
+
+
+def test_buffers_stay_each_ranks_own_unless_asked_as_under_deepspeed(attach_arguments):
+    """DeepSpeed never broadcasts buffers (BatchNorm's statistics): neither does the section by default."""
+    accepted({})
+    assert attach_arguments[0].broadcast_buffers is False
+
+
+def test_a_model_whose_engine_was_not_destroyed_is_refused_before_another_starts(no_deepspeed_start, monkeypatch):
+    """A second deepspeed.initialize on a model gradsync is attached to would launch every op twice."""
+    from gradsync.runtime import engine
+
+    model = nn.Linear(4, 2)
+    monkeypatch.setitem(engine._ATTACHED, model, object())  # as an engine built on it earlier leaves it
+    assert "under DeepSpeed, the engine's destroy()" in refused({}, model=model)
+
+
+def test_a_cost_model_given_in_the_section_is_checked_by_its_fields(no_deepspeed_start):
+    assert "unknown key(s) ['alpha']" in refused({"cost": {"alpha": 1e-3, "b": 1e-8}})
 
 
 @pytest.mark.parametrize("changes, needle", [

@@ -39,7 +39,8 @@ def field(key: str):
 
 def wrap_arguments(section, nonfinite: str | None = None) -> WrapArguments:
     """``gradsync.wrap``'s arguments from the section, every value checked (no collective);
-    `nonfinite`, if given, is the default of the section's ``nonfinite`` (``default_nonfinite``)."""
+    `nonfinite`, if given, is the default of the section's ``nonfinite`` (``default_nonfinite``).
+    ``broadcast_buffers`` defaults to false: DeepSpeed leaves each rank its own buffers."""
     if not isinstance(section, dict):
         raise ConfigError(f"DeepSpeed config '{SECTION}' must be an object with keys from: {', '.join(KEYS)}")
     unknown = sorted(set(section) - set(KEYS))
@@ -47,14 +48,14 @@ def wrap_arguments(section, nonfinite: str | None = None) -> WrapArguments:
         raise ConfigError(f"DeepSpeed config '{SECTION}': unknown key(s) {unknown}; valid: {', '.join(KEYS)}")
     with field("options"):
         options = _planner_options(section.get("options", {}))
-    arguments = {**({"nonfinite": nonfinite} if nonfinite else {}),
+    arguments = {"broadcast_buffers": False, **({"nonfinite": nonfinite} if nonfinite else {}),
                  **{key: section[key] for key in KEYS if key in section and key != "options"}}
     scheduler = arguments.get("scheduler", "auto")
     if isinstance(scheduler, str) and scheduler in planners.names():
         for name, value in options.items():  # each option alone first, so that an error names it
             with field(f"options.{name}"):
                 planners.bind(scheduler, **{name: value})
-    with field(", ".join(sorted(arguments)) or "options"):
+    with field(", ".join(sorted(key for key in section if key != "options")) or "options"):
         return check_wrap_arguments(**arguments, **options)
 
 

@@ -29,7 +29,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import log_dist
 
-from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, no_sync
+from ..runtime import SyncedOptimizer, WrapArguments, attach as attach_runtime, attached, check_not_attached, no_sync
 from ..runtime.parameter_table import ParameterTable
 from .config import SECTION, check_engine_config, default_nonfinite, wrap_arguments
 from .takeover import OwnStep, extended, take_over
@@ -45,7 +45,8 @@ def build(init, engine, *args, **kwargs) -> None:
     the ``"gradsync"`` section of its config; without the section, `init` alone.
 
     1. The section and the DeepSpeed settings gradsync depends on are checked: ConfigError naming
-       the key before the engine starts anything (no collective, no broadcast of the weights).
+       the key before the engine starts anything (no collective, no broadcast of the weights); so is
+       a model whose earlier engine still holds gradsync (not destroyed).
     2. `init` builds DeepSpeed's engine.
     3. gradsync is attached (`attach`).
 
@@ -60,6 +61,7 @@ def build(init, engine, *args, **kwargs) -> None:
     arguments = wrap_arguments(config._param_dict[SECTION], default_nonfinite(config))
     check_engine_config(config, arguments.codec, call["model"], call.get("optimizer"), call.get("mpu"),
                         call.get("mesh_device"))
+    check_not_attached(call["model"])
     init(engine, *args, **kwargs)
     attach(engine, arguments)
 

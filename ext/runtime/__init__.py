@@ -78,8 +78,8 @@ def wrap(
         profile: a ModelProfile, a JSON path, or ``"measure"``: the first `warmup_iterations` +
             `measure_iterations` iterations run with one all-reduce at the end of the backward pass
             while the layers are timed.
-        cost: a CostModel, a JSON path, or ``"measure"``: a, b, γ, the host time per op and the
-            slowdowns, probed at wrap time.
+        cost: a CostModel, a mapping or JSON path of its fields, or ``"measure"``: a, b, γ, the host
+            time per op and the slowdowns, probed at wrap time.
         trace: a path for a Chrome trace of this rank's hooks and ops (None: no trace).
         timeout: seconds any collective of gradsync may wait for a peer before PeersTimedOut.
         nonfinite: ``"raise"`` (name the parameter; the default), ``"skip"`` (skip the step on

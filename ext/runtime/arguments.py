@@ -99,7 +99,7 @@ def check_wrap_arguments(scheduler: str = "auto", compressor=None, channels: int
     return WrapArguments(
         planner=planner, codec=codec, channels=count,
         profile=_load(profile, "profile", ModelProfile.load, ModelProfile),
-        cost=_load(cost, "cost", lambda path: CostModel.from_dict(_read_json(path)), CostModel),
+        cost=_load(cost, "cost", lambda path: CostModel.from_dict(_read_json(path)), CostModel, CostModel.from_dict),
         trace=trace, timeout=float(timeout), nonfinite=nonfinite, broadcast_buffers=broadcast_buffers,
         warmup_iterations=warmup_iterations, measure_iterations=measure_iterations, plan_trials=plan_trials,
         replan=replan, transport=transport, topology=network,
@@ -162,10 +162,13 @@ def _read_json(path):
         raise ConfigError(f"cannot read {str(path)!r}: {exc}") from exc
 
 
-def _load(value, name: str, loader, kind):
-    """`value` as an object of `kind`, loaded from a JSON path, or None for "measure"."""
+def _load(value, name: str, loader, kind, from_mapping=None):
+    """`value` as an object of `kind`, loaded from a JSON path (or, with `from_mapping`, made from a
+    mapping, as a JSON config gives it), or None for "measure"."""
     if isinstance(value, kind):
         return value
+    if from_mapping is not None and isinstance(value, dict):
+        return from_mapping(value)
     if isinstance(value, str) and value == "measure":
         return None
     if isinstance(value, (str, Path)):
@@ -173,4 +176,6 @@ def _load(value, name: str, loader, kind):
             raise ConfigError(f"{name!r}: no such file {str(value)!r} (give a {kind.__name__}, a JSON path "
                               "or 'measure')")
         return loader(value)
-    raise ConfigError(f"{name!r} must be a {kind.__name__}, a JSON path or 'measure', got {type(value).__name__}")
+    mapping = ", a mapping of its fields" if from_mapping is not None else ""
+    raise ConfigError(f"{name!r} must be a {kind.__name__}{mapping}, a JSON path or 'measure', "
+                      f"got {type(value).__name__}")

@@ -754,7 +754,7 @@ def check_not_attached(model) -> None:
     """A model takes one runtime at a time: a second would launch every gradient's ops twice."""
     if model in _ATTACHED:
         raise ConfigError("this model is already wrapped by gradsync: detach that runtime first "
-                          "(gradsync.runtime.attached(model).detach())")
+                          "(gradsync.runtime.attached(model).detach(); under DeepSpeed, the engine's destroy())")
 
 
 @contextmanager
