@@ -159,23 +159,30 @@ def test_the_hooks_stay_where_the_graph_never_names_every_parameter_or_a_front_e
 @pytest.mark.parametrize("kind, refusal, plan", [
     ("bypass_after", "accumulated into gradients being averaged", "one_fused_op_at_the_end"),
     ("bypass_after", "accumulated into gradients being averaged", "an_op_a_layer_launched_early_not_all_fused"),
-    ("bypass_after_synchronize", "a backward pass after a synchronised one", "one_fused_op_at_the_end"),
     ("bypass_alone", "without a synchronised backward pass", "one_fused_op_at_the_end"),
     ("clipped_in_flight", "change them after optimizer.synchronize()", "one_fused_op_at_the_end"),
     ("clipped_in_flight", "change them after optimizer.synchronize()", "an_op_a_layer_launched_early_not_all_fused")])
 def test_a_pass_that_bypasses_the_outputs_is_refused_and_the_hooks_come_back(kind, refusal, plan):
     """After a synchronised pass, a second one on the parameters alone would add to gradients in
-    flight, or, once they are read before the step (``synchronize``, which brings the hooks back),
-    to averaged ones; alone, it would never be averaged: each is refused, before the optimizer
-    steps, and from then on the hooks begin every iteration (a pass on the parameters alone is
-    then averaged). Gradients clipped in place while in flight are refused alike, the message
-    naming the remedy."""
+    flight; alone, it would never be averaged: each is refused, before the optimizer steps, and from
+    then on the hooks begin every iteration (a pass on the parameters alone is then averaged).
+    Gradients clipped in place while in flight are refused alike, the message naming the remedy."""
     record = run_steps(["plain"] * WARM + [kind, "bypass_alone", "plain"], plan=plan)
     at_outputs, error, _ = record[WARM]
     assert at_outputs and refusal in error
     assert not any(at for at, _, _ in record[WARM + 1:])
     assert all(error is None for _, error, _ in record[WARM + 1:])
     assert all(difference < 1e-6 for _, _, difference in record)
+
+
+def test_a_pass_that_bypasses_the_outputs_once_the_gradients_are_read_adds_to_their_averages():
+    """Read before the step (``synchronize``, which brings the hooks back), the gradients are
+    averaged: a second pass on the parameters alone adds to them, its own iteration averaging what
+    it adds, as under torch DDP."""
+    record = run_steps(["plain"] * WARM + ["bypass_after_synchronize", "plain"])
+    assert record[WARM][0]
+    assert not any(at for at, _, _ in record[WARM + 1:])
+    assert all(error is None and difference < 1e-6 for _, error, difference in record)
 
 
 @pytest.mark.gpu

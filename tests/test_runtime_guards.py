@@ -70,6 +70,44 @@ def test_a_parameter_used_only_under_no_sync_is_averaged_like_ddp(scheduler):
         assert max(distances.values()) < 1e-6, distances
 
 
+def two_synchronised_passes_a_step(rank, world_size, scheduler, options):
+    """8 steps of momentum SGD, each of two synchronised backward passes (head a's loss, then head
+    b's), beside torch DDP doing the same: the second adds to the averages of the first, which it
+    leaves as they are on the head it does not use. The distance to DDP's parameters, or the error."""
+    torch.manual_seed(0)
+    model = TwoBranches()
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     scheduler=scheduler, profile=_profile(model), cost=COST, **options)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    try:
+        for step in range(8):
+            for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
+                stepper.zero_grad()
+                _branch_loss(network, rank, 2 * step, "a").backward()
+                _branch_loss(network, rank, 2 * step + 1, "b").backward()
+                stepper.step()
+        optimizer.synchronize()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        attached(model).detach()
+    return distance(model, reference)
+
+
+@pytest.mark.parametrize("scheduler, options", [("ddp", {}), ("wfbp", {}), ("wfbp", {"overlap_forward": True}),
+                                                ("bytescheduler", {"partition_bytes": 256})])
+def test_a_second_synchronised_pass_adds_to_the_averages_of_the_first_as_under_ddp(scheduler, options):
+    """Lightning's manual accumulation and two ``engine.backward`` calls a DeepSpeed step do this."""
+    assert run_local(two_synchronised_passes_a_step, 2, scheduler, options) == [pytest.approx(0, abs=1e-6)] * 2
+
+
+def test_a_second_synchronised_pass_is_refused_under_a_compressor():
+    """Its error feedback would take the first pass's averages for this rank's own gradient."""
+    for error in run_local(two_synchronised_passes_a_step, 2, "wfbp", {"compressor": "acp_sgd"}):
+        assert "with a compressor or a sharded optimizer" in error and "gradsync.no_sync(model)" in error
+
+
 class HeadFirst(nn.Module):
     """`head` is registered before `embed` and owns their tied weight, but `embed` reads it first."""
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ..agreement import waiting_for
+from ..compress import Codec
 from ..compress.loss_scale import LossScaleFollower
 from ..errors import ConfigError, GradientsChangedInFlight
 from ..plan import Plan
@@ -175,14 +176,14 @@ class GradSync:
         pass starts the iteration; a gradient whose final value no op waits for before the pass ends
         (no hook of `_ready_hook_for` on it) is marked ready here, the ops reading it once the pass is
         over. A backward pass after a synchronised one, with neither optimizer.step() nor
-        optimizer.zero_grad() between, would add its gradients to the averaged ones, some in buffers
-        still being reduced: refused before its first gradient accumulates. A pass that accumulates
-        no gradient (``torch.autograd.grad`` over the parameters) is no iteration, as under torch DDP."""
+        optimizer.zero_grad() between, adds its gradients to the averaged ones (`_settle_held`). A
+        pass that accumulates no gradient (``torch.autograd.grad`` over the parameters) is no
+        iteration, as under torch DDP."""
         def arriving(_gradient):
             if not self.in_backward:
                 if not self.output_start.accumulates(name):
                     return
-                self._refuse_if_held()
+                self._settle_held()
                 if not self.enabled:  # counted as used by the next synchronised backward, as torch DDP does
                     self.used_unsynced.add(name)
                     return
@@ -191,13 +192,25 @@ class GradSync:
                 self.executor.ready.add(name)
         return arriving
 
-    def _refuse_if_held(self) -> None:
-        if self.gradients_held:
+    def _settle_held(self) -> None:
+        """Before a backward pass after a synchronised one, with neither optimizer.step() nor
+        optimizer.zero_grad() between: that pass adds its gradients to the averaged ones, as under
+        torch DDP (Lightning's manual accumulation, two ``engine.backward`` calls a DeepSpeed step),
+        and its own iteration averages what it adds; the held iteration is collected first, so
+        that it adds to averages, not to buffers still being reduced. Refused with a compressor
+        (its error feedback would take the averaged gradients for this rank's) and where the
+        gradients are released once reduced (a sharded optimizer's partitions)."""
+        if not self.gradients_held:
+            return
+        if self.codec.name != Codec.name or self.installed.partition is not None:
             raise RuntimeError(
-                "a backward pass after a synchronised one and before optimizer.step(): run all but the "
-                "last backward of a step inside gradsync.no_sync(model), or sum the losses before one "
-                "backward (after a step skipped on purpose, as a GradScaler does, call "
-                "optimizer.zero_grad() first)")
+                "a backward pass after a synchronised one and before optimizer.step(), with a compressor or a "
+                "sharded optimizer: run all but the last backward of a step inside gradsync.no_sync(model), or "
+                "sum the losses before one backward (after a step skipped on purpose, as a GradScaler does, "
+                "call optimizer.zero_grad() first)")
+        held = self.executor
+        self._collected_within("a backward pass that another one adds to before the step")
+        held.copy_gradients_out()
 
     def _hook_arrivals(self, on: bool) -> None:
         """Arrival hooks (`_arrival_hook_for`) on every parameter that trains now, or none: the
@@ -258,7 +271,7 @@ class GradSync:
             if left_out:
                 self._leave_outputs()
             return
-        self._refuse_if_held()
+        self._settle_held()
         if not self.enabled:
             self.used_unsynced |= used
             if left_out:
@@ -557,13 +570,18 @@ class GradSync:
 
     def _collected_in_full(self) -> None:
         """Every averaged gradient of the synchronised backward pass in place, for an optimizer that
-        reads them within its step; its iteration finished. Averaged gradients that hold inf or NaN
-        cannot skip such a step (the optimizer may have updated the parameters already)."""
-        if self._collect(everything=True).skip_step:
-            raise NonFiniteGradient("non-finite averaged gradients within a step that evaluates its closure, which "
-                                    "cannot be skipped: use nonfinite='raise' with this optimizer")
-        self._finish_iteration()
+        reads them within its step; its iteration finished."""
+        self._collected_within("a step that evaluates its closure")
         self._choose_start()
+
+    def _collected_within(self, within: str) -> None:
+        """Every averaged gradient of the synchronised backward pass in place, its iteration finished,
+        `within` what reads them before the step. Averaged gradients that hold inf or NaN cannot skip
+        that step (the optimizer may have updated the parameters already, or a pass adds to them)."""
+        if self._collect(everything=True).skip_step:
+            raise NonFiniteGradient(f"non-finite averaged gradients within {within}, which cannot be skipped: "
+                                    "use nonfinite='raise' there")
+        self._finish_iteration()
 
     def _refuse_unfrozen(self) -> None:
         """A parameter frozen at wrap and trainable now has a gradient no op averages: refused before

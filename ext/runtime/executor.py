@@ -621,6 +621,16 @@ class PlanExecutor:
                 zeroed.update(state.tensors)
         return zeroed
 
+    def copy_gradients_out(self) -> None:
+        """Give each gradient that is a span of an op's buffer a copy of its own, as the next iteration
+        of this plan packs into the buffer (zeros into the span of a tensor it does not use)."""
+        for state in self.ops:
+            buffer = state.buffer.untyped_storage().data_ptr()
+            for parameter in state.parameters:
+                grad = parameter.grad
+                if grad is not None and grad.untyped_storage().data_ptr() == buffer:
+                    parameter.grad = grad.clone()
+
     def watchable(self) -> bool:
         """Whether a backward pass that writes the gradients of an op in flight shows at the step
         (``in_flight_watch``; ``runtime.output_start``, step 3): every slice a whole gradient sent as it is
