@@ -80,13 +80,29 @@ def two_synchronised_passes_a_step(rank, world_size, scheduler, options):
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                      scheduler=scheduler, profile=_profile(model), cost=COST, **options)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    try:
+
+    def train():
         for step in range(8):
             for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
                 stepper.zero_grad()
                 _branch_loss(network, rank, 2 * step, "a").backward()
                 _branch_loss(network, rank, 2 * step + 1, "b").backward()
                 stepper.step()
+
+    return distance_or_error(train, model, optimizer, reference)
+
+
+def distance_or_error(train, model, optimizer, reference):
+    """`train()`, then the distance of gradsync's `model` (detached after) to `reference`'s
+    parameters, or the message of the RuntimeError it raised.
+
+    Args:
+        train: runs the steps of both.
+        model, optimizer: gradsync's, wrapped.
+        reference: torch DDP's model, or one whose gradients are averaged by hand.
+    """
+    try:
+        train()
         optimizer.synchronize()
     except RuntimeError as error:
         return str(error)
@@ -146,16 +162,22 @@ def test_a_tied_weight_is_updated_before_any_module_holding_it_reads_it(schedule
         assert distance < 1e-6
 
 
-def cleared_by_the_models_zero_grad(rank, world_size, scheduler, options, set_to_none):
-    """5 steps whose gradients are cleared by ``model.zero_grad`` (as the Hugging Face Trainer and
-    many loops do) while some updates wait for their layer's next forward, momentum SGD beside
-    torch DDP: the most updates left pending after a step, and the distance to DDP's parameters."""
+def head_first_beside_ddp(scheduler: str, options: dict):
+    """HeadFirst under gradsync and under torch DDP, each with momentum SGD: (model, optimizer,
+    reference, its optimizer)."""
     torch.manual_seed(5)
     model = HeadFirst()
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                                      scheduler=scheduler, profile=_profile(model), cost=COST, **options)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    return model, optimizer, reference, torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+
+
+def cleared_by_the_models_zero_grad(rank, world_size, scheduler, options, set_to_none):
+    """5 steps whose gradients are cleared by ``model.zero_grad`` (as the Hugging Face Trainer and
+    many loops do) while some updates wait for their layer's next forward, momentum SGD beside
+    torch DDP: the most updates left pending after a step, and the distance to DDP's parameters."""
+    model, optimizer, reference, ref_optimizer = head_first_beside_ddp(scheduler, options)
     pending = 0
     for step in range(5):
         tokens, targets = batch(rank, step)
@@ -187,12 +209,7 @@ def clamped_after_each_step(rank, world_size, scheduler, options, synchronized):
     before the clipping: the distance to DDP's parameters, or the error, whether the parameters are
     as the clipping left them, the updates still pending, and whether detach raised it again and
     detached all the same."""
-    torch.manual_seed(5)
-    model = HeadFirst()
-    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
-                                     scheduler=scheduler, profile=_profile(model), cost=COST, **options)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    model, optimizer, reference, ref_optimizer = head_first_beside_ddp(scheduler, options)
     try:
         for step in range(5):
             tokens, targets = batch(rank, step)
@@ -744,7 +761,7 @@ def deferred_beside_averaged_by_hand(rank, world_size, case: str):
             return network.loss(inputs, targets)
         return F.cross_entropy(network(inputs, direct=case == "direct" and step % 2 == 1), targets)
 
-    try:
+    def train():
         for step in range(6):
             optimizer.zero_grad()
             loss(model, step).backward()
@@ -755,12 +772,8 @@ def deferred_beside_averaged_by_hand(rank, world_size, case: str):
                 dist.all_reduce(parameter.grad)
                 parameter.grad /= world_size
             ref_optimizer.step()
-        optimizer.synchronize()
-    except RuntimeError as error:
-        return str(error)
-    finally:
-        attached(model).detach()
-    return distance(model, reference)
+
+    return distance_or_error(train, model, optimizer, reference)
 
 
 @pytest.mark.parametrize("case", ["pruned", "method"])
