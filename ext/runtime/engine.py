@@ -304,7 +304,8 @@ class GradSync:
                 "layer's update waited for them until its next forward: cleared by hand (p.grad = None, "
                 "p.grad.zero_()) or written. The update needs their averages: clear gradients with "
                 "optimizer.zero_grad() or model.zero_grad(), which leave them to that update, or call "
-                "optimizer.synchronize() after the step first")
+                "optimizer.synchronize() after the step first. Written in place while being averaged, they may have "
+                "left the ranks' averages apart: resume from a checkpoint")
         if self.begins_at_outputs:
             self._leave_outputs()
             raise GradientsChangedInFlight(
