@@ -71,9 +71,10 @@ def test_a_parameter_used_only_under_no_sync_is_averaged_like_ddp(scheduler):
 
 
 def two_synchronised_passes_a_step(rank, world_size, scheduler, options):
-    """8 steps of momentum SGD, each of two synchronised backward passes (head a's loss, then head
-    b's), beside torch DDP doing the same: the second adds to the averages of the first, which it
-    leaves as they are on the head it does not use. The distance to DDP's parameters, or the error."""
+    """8 steps of momentum SGD, each of two synchronised backward passes (head a's loss; then head a's
+    again on rank 0, head b's on the others), beside torch DDP doing the same: the second adds to
+    the averages of the first, which every rank sends on, using them or not. The distance to DDP's
+    parameters, or the error."""
     torch.manual_seed(0)
     model = TwoBranches()
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
@@ -86,7 +87,7 @@ def two_synchronised_passes_a_step(rank, world_size, scheduler, options):
             for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
                 stepper.zero_grad()
                 _branch_loss(network, rank, 2 * step, "a").backward()
-                _branch_loss(network, rank, 2 * step + 1, "b").backward()
+                _branch_loss(network, rank, 2 * step + 1, "a" if rank == 0 else "b").backward()
                 stepper.step()
 
     return distance_or_error(train, model, optimizer, reference)

@@ -196,8 +196,9 @@ class GradSync:
         """Before a backward pass after a synchronised one, with neither optimizer.step() nor
         optimizer.zero_grad() between: that pass adds its gradients to the averaged ones, as under
         torch DDP (Lightning's manual accumulation, two ``engine.backward`` calls a DeepSpeed step),
-        and its own iteration averages what it adds; the held iteration is collected first, so
-        that it adds to averages, not to buffers still being reduced. Refused with a compressor
+        and its own iteration averages what it adds (every averaged gradient counts as used in it);
+        the held iteration is collected first, so that it adds to averages, not to buffers still
+        being reduced. Refused with a compressor
         (its error feedback would take the averaged gradients for this rank's) and where the
         gradients are released once reduced (a sharded optimizer's partitions)."""
         if not self.gradients_held:
@@ -211,6 +212,8 @@ class GradSync:
         held = self.executor
         self._collected_within("a backward pass that another one adds to before the step")
         held.copy_gradients_out()
+        # every rank holds the averages: each sends them on, used by this pass or not, as under DDP
+        self.used_unsynced |= {name for name, parameter in self.table.parameters.items() if parameter.grad is not None}
 
     def _hook_arrivals(self, on: bool) -> None:
         """Arrival hooks (`_arrival_hook_for`) on every parameter that trains now, or none: the
