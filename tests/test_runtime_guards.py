@@ -179,18 +179,34 @@ def cleared_by_the_models_zero_grad(rank, world_size, scheduler, options, set_to
     many loops do) while some updates wait for their layer's next forward, momentum SGD beside
     torch DDP: the most updates left pending after a step, and the distance to DDP's parameters."""
     model, optimizer, reference, ref_optimizer = head_first_beside_ddp(scheduler, options)
+    pending, apart = most_pending_beside(model, optimizer, reference, ref_optimizer, rank, 5,
+                                         lambda network, _: network.zero_grad(set_to_none=set_to_none))
+    return pending, apart, "zero_grad" in model.__dict__
+
+
+def most_pending_beside(model, optimizer, reference, ref_optimizer, rank: int, steps: int, clear):
+    """`steps` steps of gradsync's model and torch DDP's on the same batches, each begun by
+    ``clear(network, its optimizer)``: the most updates left pending after a step, and the distance to
+    DDP's parameters once they are applied (the runtime detached).
+
+    Args:
+        model, optimizer: gradsync's, wrapped.
+        reference, ref_optimizer: torch DDP's.
+        rank, steps: the rank's batches, and how many steps.
+        clear: clears a network's gradients before its step's backward pass.
+    """
     pending = 0
-    for step in range(5):
+    for step in range(steps):
         tokens, targets = batch(rank, step)
         for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
-            network.zero_grad(set_to_none=set_to_none)
+            clear(network, stepper)
             F.cross_entropy(network(tokens), targets).backward()
             stepper.step()
         pending = max(pending, len(attached(model).deferred.pending))
     optimizer.synchronize()
     apart = distance(model, reference)
     attached(model).detach()
-    return pending, apart, "zero_grad" in model.__dict__
+    return pending, apart
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -296,18 +312,8 @@ def optimizer_beside_ddp(rank, world_size, kind):
     model, optimizer = gradsync.wrap(model, optimizers(kind, model.parameters()), scheduler="us_byte",
                                      profile=_profile(model), cost=COST, partition_bytes=256)
     ref_optimizer = optimizers(kind, reference.parameters())
-    pending = 0
-    for step in range(4):
-        tokens, targets = batch(rank, step)
-        for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
-            stepper.zero_grad()
-            F.cross_entropy(network(tokens), targets).backward()
-            stepper.step()
-        pending = max(pending, len(attached(model).deferred.pending))
-    optimizer.synchronize()
-    apart = distance(model, reference)
-    attached(model).detach()
-    return pending, apart
+    return most_pending_beside(model, optimizer, reference, ref_optimizer, rank, 4,
+                               lambda _, stepper: stepper.zero_grad())
 
 
 @pytest.mark.parametrize("kind", ["zero_redundancy", "global_norm", "torch_adam"])

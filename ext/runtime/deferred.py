@@ -65,11 +65,12 @@ class DeferredUpdates:
         are done by then (one optimizer call); the seconds it took (0 if nothing was pending)."""
         if module_name not in self.pending:
             return 0.0
-        executor.refuse_changed_in_flight(after_landings=True)  # gradients cleared by hand: the update needs them
+        pending_ops = executor.pending_ops(self.table.owners[module_name])
+        executor.refuse_changed_in_flight(pending_ops)  # gradients cleared by hand: the update needs them
         started = time.perf_counter()
 
         def wait_for_the_modules_ops():
-            for index in executor.pending_ops(self.table.owners[module_name]):
+            for index in pending_ops:
                 executor.wait(index)
 
         self.clock.wait(executor, wait_for_the_modules_ops)

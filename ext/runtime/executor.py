@@ -416,19 +416,22 @@ class PlanExecutor:
         if self.times_ops and not self.timed_on_device and state.completes_unwatched:
             self._note_completion(index, state.work)
 
-    def refuse_changed_in_flight(self, after_landings: bool = False) -> None:
+    def refuse_changed_in_flight(self, after_step: list[int] | None = None) -> None:
         """Call `in_flight_watch` (which raises) with the first op in flight whose gradients changed
         since the backward pass ended (``runtime.in_flight``), before the step or a read of the
-        gradients collects any; `after_landings`: some ops have landed since (after the step), so
-        the ops carrying a part of a tensor that others carry too are left out (those landings wrote
-        into its gradient). Once an iteration: after a refusal the ops land as they are (the next
-        zero_grad waits for them)."""
+        gradients collects any; `after_step`: the ops to look at once the step's have landed (those
+        a deferred update waits for), less those carrying a part of a tensor that others carry too
+        (their landings wrote into its gradient). Once an iteration: after a refusal the ops land as
+        they are (the next zero_grad waits for them)."""
         if self.in_flight_watch is None or self.versions is None:
             return
-        changed = self.versions.changed_since_landings if after_landings else self.versions.changed
-        for index, state in enumerate(self.ops):
-            if after_landings and any(self.op_counts[name] > 1 for name in state.tensors):
-                continue
+        if after_step is None:
+            indices, changed = range(len(self.ops)), self.versions.changed
+        else:
+            indices = [i for i in after_step if all(self.op_counts[name] == 1 for name in self.ops[i].tensors)]
+            changed = self.versions.changed_since_landings
+        for index in indices:
+            state = self.ops[index]
             if state.work is not None and not state.done and changed(index, state):
                 watch, self.in_flight_watch = self.in_flight_watch, None
                 watch(state.label)
