@@ -21,8 +21,9 @@ $(STAMP): setup.py
 demo: install
 	$(VENV)/bin/gradsync-train hydra.run.dir=outputs/demo
 
+# two workers, a test file each at a time: the suite's multi-rank tests leave a core idle much of the time
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: install
 	$(PY) benchmarks/planner_speed.py

@@ -36,8 +36,8 @@ setup(
         "optuna": ["hydra-optuna-sweeper==1.3.0"],
         "cli": ["jsonargparse[signatures]>=4.27.7"],  # Lightning's LightningCLI
         "slurm": ["hydra-submitit-launcher==1.2.0"],  # gradsync-train cluster=slurm
-        "dev": ["pytest>=8", "pytest-timeout", "triton==3.9.0", "deepspeed>=0.16", "hydra-optuna-sweeper==1.3.0",
-                "jsonargparse[signatures]>=4.27.7", "hydra-submitit-launcher==1.2.0"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "triton==3.9.0", "deepspeed>=0.16",
+                "hydra-optuna-sweeper==1.3.0", "jsonargparse[signatures]>=4.27.7", "hydra-submitit-launcher==1.2.0"],
     },
     entry_points={"console_scripts": ["gradsync=gradsync.cli:main", "gradsync-train=gradsync.recipes.app:main"]},
 )

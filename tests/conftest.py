@@ -26,7 +26,10 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
-    """Remove the DeepSpeed buffers this session's jobs left (a few GB over the suite)."""
+    """Remove the DeepSpeed buffers this session's jobs left (a few GB over the suite). With
+    parallel workers the controlling process does it, once every worker's jobs have ended."""
+    if hasattr(session.config, "workerinput"):
+        return
     for path in deepspeed_buffers() - getattr(session.config, "deepspeed_buffers_before", set()):
         path.unlink(missing_ok=True)
 

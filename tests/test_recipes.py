@@ -2,6 +2,7 @@
 2-rank job reports its breakdown, and a 2-job sweep writes its summary."""
 import csv
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -320,10 +321,20 @@ def test_a_wrong_type_or_unknown_option_fails_while_composing():
 
 
 def run_app(monkeypatch, *argv):
-    """`gradsync-train *argv` in this process (Hydra's logging off)."""
+    """`gradsync-train *argv` in this process (Hydra's logging off). Hydra's logging configuration
+    disables every logger that exists and the app sets some levels: both are put back afterwards,
+    for the tests that run next in this process."""
     monkeypatch.setattr(sys, "argv", ["gradsync-train", *argv, "hydra/job_logging=disabled",
                                       "hydra/hydra_logging=disabled"])
-    app.main()
+    loggers = [logging.root, *(logger for logger in logging.root.manager.loggerDict.values()
+                               if isinstance(logger, logging.Logger))]
+    saved = [(logger, logger.disabled, logger.level, list(logger.handlers)) for logger in loggers]
+    try:
+        app.main()
+    finally:
+        for logger, disabled, level, handlers in saved:
+            logger.disabled, logger.handlers = disabled, handlers
+            logger.setLevel(level)
 
 
 def test_the_app_reports_a_bad_value_without_a_traceback(tmp_path, monkeypatch, capsys):
