@@ -37,7 +37,8 @@ setup(
         "cli": ["jsonargparse[signatures]>=4.27.7"],  # Lightning's LightningCLI
         "slurm": ["hydra-submitit-launcher==1.2.0"],  # gradsync-train cluster=slurm
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "triton==3.9.0", "deepspeed>=0.16",
-                "hydra-optuna-sweeper==1.3.0", "jsonargparse[signatures]>=4.27.7", "hydra-submitit-launcher==1.2.0"],
+                "hydra-optuna-sweeper==1.3.0", "jsonargparse[signatures]>=4.27.7", "hydra-submitit-launcher==1.2.0",
+                "transformers==5.24.0", "accelerate==1.15.0"],  # Hugging Face's routes into DeepSpeed
     },
     entry_points={"console_scripts": ["gradsync=gradsync.cli:main", "gradsync-train=gradsync.recipes.app:main"]},
 )
