@@ -27,9 +27,12 @@ import gradsync  # noqa: F401  (its entry in DeepSpeed's engine)
 
 FEATURES, OUTPUTS, STEPS = 8, 4, 12
 SECTION = {"scheduler": "us_byte", "cost": {"a": 1e-3, "b": 1e-8, "gamma": 1.0}}
+COMPRESSED = {**SECTION, "compressor": {"type": "acp_sgd", "rank": 2}}
 # run: (route, ZeRO stage, gradient accumulation steps, clipping norm)
 RUNS = {"trainer_zero0": ("trainer", 0, 2, 2.0), "trainer_zero2": ("trainer", 2, 2, 0.0),
-        "accelerate_zero1": ("accelerate", 1, 1, 0.0)}
+        "accelerate_zero1": ("accelerate", 1, 1, 0.0), "trainer_zero1": ("trainer", 1, 1, 0.0)}
+# the runs compared with DeepSpeed's own run of the config without the section
+BESIDE_DEEPSPEED = ("trainer_zero0", "trainer_zero2", "accelerate_zero1")
 
 
 class Regression(nn.Module):
@@ -60,16 +63,27 @@ def deepspeed_config(stage: int, section: dict | None) -> dict:
     return config if section is None else {**config, "gradsync": section}
 
 
-def trained_by_trainer(stage: int, accumulation: int, clipping: float, section: dict | None, out: Path):
+def trained_by_trainer(stage: int, accumulation: int, clipping: float, section: dict | None, out: Path,
+                       resumed: bool = False):
     """Transformers' Trainer for STEPS optimizer steps (its SGD, a constant rate): the engine and
-    the trained state as Accelerate gathers it to save the model."""
-    arguments = TrainingArguments(output_dir=str(out), per_device_train_batch_size=8, max_steps=STEPS,
-                                  optim="sgd", learning_rate=0.05, lr_scheduler_type="constant", max_grad_norm=clipping,
-                                  gradient_accumulation_steps=accumulation, deepspeed=deepspeed_config(stage, section),
-                                  report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0)
-    trainer = Trainer(model=Regression(), args=arguments, train_dataset=examples(512, seed=3))
-    trainer.train()
-    return trainer.model_wrapped, trainer.accelerator.get_state_dict(trainer.model_wrapped)
+    the trained state as Accelerate gathers it to save the model. Where `resumed`, a first Trainer
+    stops halfway and saves a checkpoint, and a second one resumes from it."""
+    def trainer(steps: int) -> Trainer:
+        arguments = TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=8, max_steps=steps, optim="sgd", learning_rate=0.05,
+            lr_scheduler_type="constant", max_grad_norm=clipping, gradient_accumulation_steps=accumulation,
+            deepspeed=deepspeed_config(stage, section), report_to=[], save_strategy="steps", save_steps=STEPS // 2,
+            logging_steps=10**6, disable_tqdm=True, seed=0)
+        return Trainer(model=Regression(), args=arguments, train_dataset=examples(512, seed=3))
+
+    if resumed:
+        first = trainer(STEPS // 2)
+        first.train()
+        first.model_wrapped.destroy()
+        AcceleratorState._reset_state()
+    last = trainer(STEPS)
+    last.train(resume_from_checkpoint=str(out / f"checkpoint-{STEPS // 2}") if resumed else None)
+    return last.model_wrapped, last.accelerator.get_state_dict(last.model_wrapped)
 
 
 def trained_by_accelerate(stage: int, accumulation: int, clipping: float, section: dict | None, out: Path):
@@ -100,11 +114,11 @@ def initial_parameters() -> torch.Tensor:
     return torch.cat([tensor.reshape(-1) for tensor in Regression().state_dict().values()])
 
 
-def run(name: str, section: dict | None, out: Path) -> tuple[list, torch.Tensor]:
+def run(name: str, section: dict | None, out: Path, **options) -> tuple[list, torch.Tensor]:
     """The engine's class and whether it all-reduces the gradients itself, and the trained
-    parameters, flat, after `name` of RUNS."""
+    parameters, flat, after `name` of RUNS (the route's `options`)."""
     route, stage, accumulation, clipping = RUNS[name]
-    engine, state = ROUTES[route](stage, accumulation, clipping, section, out / name)
+    engine, state = ROUTES[route](stage, accumulation, clipping, section, out / name, **options)
     trained = torch.cat([tensor.detach().float().reshape(-1) for tensor in state.values()])
     ran = [type(engine).__name__, engine.enable_backward_allreduce]
     engine.destroy()
@@ -118,7 +132,7 @@ def main() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     PartialState._prepare_backend = lambda self, cpu, sagemaker_dp, backend: ("gloo", DistributedType.MULTI_CPU)
     result = {}
-    for name in RUNS:
+    for name in BESIDE_DEEPSPEED:
         plain_engine, plain = run(name, None, out)
         engine, trained = run(name, SECTION, out)
         digests = [None] * dist.get_world_size()
@@ -127,6 +141,11 @@ def main() -> None:
                         "replicas_agree": len(set(digests)) == 1,
                         "trained_from_start": (plain - initial_parameters()).abs().max().item(),
                         "max_abs_difference_to_plain": (trained - plain).abs().max().item()}
+    # ACP-SGD's error feedback and factors travel in the Trainer's checkpoint
+    _, straight = run("trainer_zero1", COMPRESSED, out / "straight")
+    _, resumed = run("trainer_zero1", COMPRESSED, out / "resumed", resumed=True)
+    result["trainer_zero1_acp_sgd_resumed"] = {"max_abs_difference_to_straight":
+                                               (resumed - straight).abs().max().item()}
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps(result, indent=1))
     dist.barrier()

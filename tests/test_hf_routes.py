@@ -38,3 +38,10 @@ def test_a_section_in_the_config_trains_as_deepspeed_does(hf_job, run):
     assert result["engines"] == [["DeepSpeedEngine", True], ["GradSyncDeepSpeedEngine", False]]
     assert result["trained_from_start"] > 0.02 and result["replicas_agree"]
     assert result["max_abs_difference_to_plain"] <= 1e-6
+
+
+def test_acp_sgd_resumes_exactly_from_the_trainers_checkpoint(hf_job):
+    """Trainer at ZeRO 1 with ACP-SGD (rank 2): stopped halfway with a checkpoint and resumed by a
+    new Trainer, it ends where an uninterrupted run ends (the error feedback and the factors travel
+    in DeepSpeed's checkpoint)."""
+    assert hf_job["trainer_zero1_acp_sgd_resumed"]["max_abs_difference_to_straight"] == 0.0
