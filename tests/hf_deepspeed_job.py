@@ -1,6 +1,7 @@
 """Hugging Face's routes into DeepSpeed, each run with and without a "gradsync" section in the
 config: Transformers' Trainer (``TrainingArguments(deepspeed=config)``) and Accelerate
-(``Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))``). Each rank is its own
+(``Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))``); and gradsync's
+compression hook on the model Accelerate prepares without DeepSpeed. Each rank is its own
 process, as under torchrun: `python hf_deepspeed_job.py OUT` with RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set; rank 0 writes, per run, the engine that trained and how far
 gradsync's trained parameters lie from DeepSpeed's own to OUT/result.json.
@@ -24,6 +25,7 @@ from torch import nn
 from transformers import Trainer, TrainingArguments
 
 import gradsync  # noqa: F401  (its entry in DeepSpeed's engine)
+from gradsync.comm_hooks import CompressionState, compression_hook
 
 FEATURES, OUTPUTS, STEPS = 8, 4, 12
 SECTION = {"scheduler": "us_byte", "cost": {"a": 1e-3, "b": 1e-8, "gamma": 1.0}}
@@ -86,24 +88,42 @@ def trained_by_trainer(stage: int, accumulation: int, clipping: float, section: 
     return last.model_wrapped, last.accelerator.get_state_dict(last.model_wrapped)
 
 
-def trained_by_accelerate(stage: int, accumulation: int, clipping: float, section: dict | None, out: Path):
+def accelerate_loop(accelerator: Accelerator, model: nn.Module, optimizer) -> None:
     """Accelerate's loop (`accelerator.backward`, then the optimizer's step and zero_grad) for STEPS
-    steps of SGD with momentum, each rank its own batches."""
+    steps, each rank its own batches."""
+    batches = examples(8 * STEPS, seed=100 + dist.get_rank())
+    for step in range(STEPS):
+        batch = batches[8 * step: 8 * (step + 1)]
+        loss = model(torch.stack([e["x"] for e in batch]), torch.stack([e["y"] for e in batch]))["loss"]
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def trained_by_accelerate(stage: int, accumulation: int, clipping: float, section: dict | None, out: Path):
+    """Accelerate's loop over DeepSpeed's engine, SGD with momentum."""
     config = {**deepspeed_config(stage, section), "train_micro_batch_size_per_gpu": 8,
               "gradient_accumulation_steps": accumulation, "gradient_clipping": clipping}
     config["train_batch_size"] = 8 * accumulation * dist.get_world_size()
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     model = Regression()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    engine, optimizer = accelerator.prepare(model, optimizer)
-    batches = examples(8 * STEPS, seed=100 + dist.get_rank())
-    for step in range(STEPS):
-        batch = batches[8 * step: 8 * (step + 1)]
-        loss = engine(torch.stack([e["x"] for e in batch]), torch.stack([e["y"] for e in batch]))["loss"]
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+    engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    accelerate_loop(accelerator, engine, optimizer)
     return engine, accelerator.get_state_dict(engine)
+
+
+def hooked_by_accelerate(compressor: str | None) -> torch.Tensor:
+    """Accelerate's loop over its DistributedDataParallel (no DeepSpeed), SGD with momentum, with
+    gradsync's compression hook registered on the prepared model (`compressor` None: DDP's own
+    all-reduce): the trained parameters, flat."""
+    accelerator = Accelerator(cpu=True)
+    model = Regression()
+    ddp_model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if compressor is not None:
+        ddp_model.register_comm_hook(CompressionState(model, compressor), compression_hook)
+    accelerate_loop(accelerator, ddp_model, optimizer)
+    AcceleratorState._reset_state()
+    return torch.cat([parameter.detach().reshape(-1) for parameter in model.parameters()])
 
 
 ROUTES = {"trainer": trained_by_trainer, "accelerate": trained_by_accelerate}
@@ -131,7 +151,13 @@ def main() -> None:
     torch.set_num_threads(1)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     PartialState._prepare_backend = lambda self, cpu, sagemaker_dp, backend: ("gloo", DistributedType.MULTI_CPU)
-    result = {}
+    # first, while Accelerate has not been told of DeepSpeed (its plugin sets that for the process)
+    ddp, identity, acp_sgd = (hooked_by_accelerate(compressor) for compressor in (None, "identity", "acp_sgd"))
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, acp_sgd.double().sum().item())
+    result = {"accelerate_ddp_hook": {"identity_difference_to_ddp": (identity - ddp).abs().max().item(),
+                                      "acp_sgd_difference_to_ddp": (acp_sgd - ddp).abs().max().item(),
+                                      "acp_sgd_replicas_agree": len(set(digests)) == 1}}
     for name in BESIDE_DEEPSPEED:
         plain_engine, plain = run(name, None, out)
         engine, trained = run(name, SECTION, out)

@@ -1,6 +1,7 @@
-"""gradsync under Hugging Face's routes into DeepSpeed: Transformers' Trainer and Accelerate build
-the engine through `deepspeed.initialize`, where gradsync's entry reads the config's section
-(tests/hf_deepspeed_job.py, 2 CPU ranks as under torchrun)."""
+"""gradsync under Hugging Face's routes: Transformers' Trainer and Accelerate build DeepSpeed's
+engine through `deepspeed.initialize`, where gradsync's entry reads the config's section, and
+Accelerate's DistributedDataParallel takes gradsync's compression hook (tests/hf_deepspeed_job.py,
+2 CPU ranks as under torchrun)."""
 import json
 import os
 import subprocess
@@ -45,3 +46,11 @@ def test_acp_sgd_resumes_exactly_from_the_trainers_checkpoint(hf_job):
     new Trainer, it ends where an uninterrupted run ends (the error feedback and the factors travel
     in DeepSpeed's checkpoint)."""
     assert hf_job["trainer_zero1_acp_sgd_resumed"]["max_abs_difference_to_straight"] == 0.0
+
+
+def test_the_compression_hook_on_the_model_accelerate_prepares(hf_job):
+    """Registered on Accelerate's DistributedDataParallel: the identity trains exactly as DDP's own
+    all-reduce, ACP-SGD (rank 4) otherwise and alike on both ranks."""
+    result = hf_job["accelerate_ddp_hook"]
+    assert result["identity_difference_to_ddp"] <= 1e-6
+    assert result["acp_sgd_difference_to_ddp"] > 1e-4 and result["acp_sgd_replicas_agree"]
