@@ -26,7 +26,7 @@ from .partition import Partition
 from .installed import InstalledPlans
 from .measure.calibration import ProfileCalibration
 from .measure.probes import measure_cost
-from .optimizer import SyncedOptimizer
+from .optimizer import OptimizerGroup, SyncedOptimizer
 from .report import LayoutReport, SyncReport
 from .statistics import IterationStats
 from .trace import ChromeTrace
@@ -43,7 +43,7 @@ def report(model: torch.nn.Module) -> SyncReport:
 
 def wrap(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
     scheduler: str = "auto",
     compressor: str | dict | Codec | None = None,
     channels: int | None = None,
@@ -65,11 +65,14 @@ def wrap(
 ):
     """Attach gradsync to `model` and return ``(model, optimizer)``: the model object itself (hooks,
     and a ``zero_grad`` that waits for the updates deferred to the next forward) and an optimizer
-    wrapping `optimizer`. Every argument is checked before the first collective.
+    wrapping `optimizer` (a list of them for a list). Every argument is checked before the first
+    collective.
 
     Args:
         model: the replica on this rank (its parameters on their device).
-        optimizer: a torch optimizer over the model's trainable parameters.
+        optimizer: a torch optimizer over the model's trainable parameters, or a list of optimizers
+            that each update their own of them (a GAN's generator and discriminator): each pass's
+            gradients are averaged whichever member steps next, and no update is deferred.
         scheduler: the scheduler's name (``gradsync list``); its options go in `options`.
         compressor: None, a name (``"acp_sgd"``), a dict ``{"type": name, **options}`` or a Codec.
         channels: process groups for simultaneous all-reduces (default 2; passed to planners that
@@ -114,12 +117,13 @@ def wrap(
                                      replan, transport, topology, **options)
     model, synced = attach(model, optimizer, arguments, process_group)
     if grad_scaler is not None:
-        synced.sync.wait_at_backward_end = True
-        synced.sync.follow_loss_scale(grad_scaler.get_scale)
+        sync = attached(model)
+        sync.wait_at_backward_end = True
+        sync.follow_loss_scale(grad_scaler.get_scale)
     return model, synced
 
 
-def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: WrapArguments,
+def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, arguments: WrapArguments,
            process_group=None, partition: Partition | None = None, unused_as_zeros: bool = False):
     """``wrap`` with arguments already checked by ``check_wrap_arguments``.
 
@@ -135,11 +139,14 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
             zeros, as DeepSpeed's engine fills them before its all-reduce (so that momentum and
             weight decay still act on it); else its gradient stays as it is, as under torch DDP.
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    members = OptimizerGroup.of(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    bound = optimizer if members is None else members
+    if members is None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"'optimizer' must be a torch.optim.Optimizer or a list of them, "
+                          f"got {type(optimizer).__name__}")
     check_not_attached(model)
     table = ParameterTable.of(model)
-    table.check_optimizer(optimizer)
+    table.check_optimizer(bound)
     table.check_compressor(arguments.codec.name)
     if arguments.profile is not None:
         table.check_profile(arguments.profile)
@@ -165,7 +172,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
                                arguments.plan_trials, partition, arguments.replan, unused_as_zeros)
     sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer)
     with sync.detached_on_error():
-        sync.check_optimizer(optimizer)
+        sync.check_optimizer(bound)
         with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
             cost = arguments.cost or measure_cost(channels, skeleton.total_bytes, device=table.device,
                                                   collective=installed.collective,
@@ -177,7 +184,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, arguments: 
             installed.measurement = ProfileCalibration(table, cost.host, channels, arguments.warmup_iterations,
                                                        arguments.measure_iterations, type(model).__name__,
                                                        codec.steady_rounds())
-        return model, SyncedOptimizer(optimizer, sync)
+        if members is None:
+            return model, SyncedOptimizer(optimizer, sync)
+        return model, [SyncedOptimizer(member, sync, bound=members) for member in members.optimizers]
 
 
 def _meet(model: torch.nn.Module, arguments: WrapArguments, process_group) -> Channels:

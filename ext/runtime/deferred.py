@@ -13,7 +13,7 @@ import torch
 from ..errors import ParametersChangedBeforeUpdate
 from .executor import PlanExecutor
 from .parameter_table import ParameterTable
-from .optimizer import ParameterSubset, hyperparameters
+from .optimizer import OptimizerGroup, ParameterSubset, hyperparameters
 from .statistics import IterationClock
 
 
@@ -157,6 +157,9 @@ def steps_subsets(optimizer) -> bool:
     optimizers (``torch.optim``) may: each parameter's update reads its own gradient and state alone
     (``ParameterSubset.step``). Any other step may read more (a global gradient norm, a counter in
     the group, the shards of every parameter: ZeroRedundancyOptimizer, PostLocalSGDOptimizer, LAMB
-    and LARS implementations), so its updates wait for every op at the step instead."""
+    and LARS implementations), so its updates wait for every op at the step instead, as do those
+    of an OptimizerGroup's members."""
+    if isinstance(optimizer, OptimizerGroup):
+        return False
     owner = next(cls for cls in type(optimizer).__mro__ if "step" in vars(cls))
     return owner.__module__.startswith("torch.optim.")

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
     from .engine import GradSync
 
@@ -56,15 +58,44 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
+class OptimizerGroup:
+    """Optimizers that each update their own parameters of one model (a GAN's generator and
+    discriminator), checked against the model and bound to gradsync's runtime as one. Each member's
+    step waits for every op and updates its own parameters: no update is deferred to the next
+    forward, where another member's step would find it pending."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @classmethod
+    def of(cls, optimizers) -> "OptimizerGroup":
+        """The group of `optimizers` (a list or tuple), each a torch optimizer; ConfigError for an
+        empty one or another object (a parameter two of them update: ``ParameterTable.check_optimizer``)."""
+        if not optimizers:
+            raise ConfigError("'optimizer' is an empty list: give at least one torch.optim.Optimizer")
+        others = [type(optimizer).__name__ for optimizer in optimizers
+                  if not isinstance(optimizer, torch.optim.Optimizer)]
+        if others:
+            raise ConfigError(f"every optimizer in 'optimizer' must be a torch.optim.Optimizer, got {others}")
+        return cls(list(optimizers))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+
 class SyncedOptimizer(torch.optim.Optimizer):
     """Behaves like the wrapped optimizer; `step` first completes gradsync's synchronisation.
 
     Attributes it does not define itself (hooks, private state) are the wrapped optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sync: "GradSync"):  # no super().__init__: state is the wrapped one's
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: "GradSync", bound=None):
+        """`bound`: what the runtime is bound to, if not `optimizer`: the OptimizerGroup it belongs
+        to. (No super().__init__: the state is the wrapped optimizer's.)"""
         self.__dict__["optimizer"] = optimizer
         self.__dict__["sync"] = sync
+        self.__dict__["bound"] = optimizer if bound is None else bound
 
     def __getattr__(self, name):
         return getattr(self.__dict__["optimizer"], name)
@@ -128,7 +159,7 @@ class SyncedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group) -> None:
         self.optimizer.add_param_group(param_group)
-        self.sync.check_optimizer(self.optimizer)
+        self.sync.check_optimizer(self.bound)
 
 
 def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,6 +1,7 @@
 """The live model's parameter table: trainable parameters grouped by the module that owns them."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -113,11 +114,16 @@ class ParameterTable:
                               "are complex: train them without a compressor, or as real and imaginary parts")
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every parameter the optimizer updates must belong to the model, and have been trainable
-        when the table was made."""
+        """Every parameter the optimizer updates (or an OptimizerGroup's members) must belong to the
+        model, have been trainable when the table was made, and be updated once."""
         unfrozen = [name for name, p in self.frozen_in(optimizer).items() if p.requires_grad]
         if unfrozen:
             raise ConfigError(unfrozen_message(unfrozen))
+        held = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
+        twice = [name for name, p in self.parameters.items() if held[id(p)] > 1]
+        if twice:
+            raise ConfigError(f"parameters {twice[:5]} are each updated by two optimizers: give each parameter "
+                              "to one optimizer")
         known = {id(p) for p in (*self.parameters.values(), *self.empty)}
         foreign = [
             index
