@@ -14,7 +14,7 @@ from contextlib import nullcontext
 from typing_extensions import override
 
 from ..errors import ConfigError
-from ..runtime import attached, no_sync, wrap
+from ..runtime import no_sync
 from .strategy import LIGHTNING_OPTIONS, GradSyncArguments
 
 # Fabric's DDPStrategy names its precision plugin `precision` (Lightning's `precision_plugin`)
@@ -40,11 +40,9 @@ class GradSyncFabricOverrides(GradSyncArguments):
 
     @override
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if len(optimizers) != 1:
-            raise ConfigError(f"{type(self).__name__} needs exactly one optimizer in fabric.setup, got {len(optimizers)}")
-        model, synced = wrap(module, optimizers[0], self.scheduler, self.compressor, **self._wrap_options())
-        self.runtime = attached(model)
-        return model, [synced], scheduler
+        """gradsync attached to `module` with `optimizers` (several: each updating its own
+        parameters); the module itself and their SyncedOptimizers."""
+        return module, self._attach(module, optimizers), scheduler
 
     @override
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):

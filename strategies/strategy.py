@@ -2,10 +2,10 @@
 
 Lightning keeps launching the ranks, initialising the process group, moving the model and
 splitting the data (all inherited from DDPStrategy); the model is never wrapped (`_setup_model`,
-`_register_ddp_hooks`). Once the optimizer exists (`setup_optimizers`, called by DDPStrategy.setup
+`_register_ddp_hooks`). Once the optimizers exist (`setup_optimizers`, called by DDPStrategy.setup
 after the model is on its device), `gradsync.wrap` attaches hooks to the LightningModule and
-broadcasts rank 0's parameters and buffers, and its SyncedOptimizer replaces the strategy's
-optimizer, so Lightning's optimizer step and checkpoints go through it. `teardown` detaches it.
+broadcasts rank 0's parameters and buffers, and its SyncedOptimizers replace the strategy's
+optimizers, so Lightning's optimizer steps and checkpoints go through them. `teardown` detaches it.
 """
 from __future__ import annotations
 
@@ -104,6 +104,14 @@ class GradSyncArguments:
     def _grad_scaler(self):
         return getattr(getattr(self, self.PRECISION), "scaler", None)
 
+    def _attach(self, module, optimizers: list) -> list:
+        """``gradsync.wrap`` on `module` with `optimizers` (one, or several that each update their
+        own parameters); the runtime kept, their SyncedOptimizers returned in order."""
+        model, synced = wrap(module, optimizers[0] if len(optimizers) == 1 else list(optimizers), self.scheduler,
+                             self.compressor, **self._wrap_options())
+        self.runtime = attached(model)
+        return synced if isinstance(synced, list) else [synced]
+
     @override
     def teardown(self) -> None:
         """Detach gradsync (apply pending updates, remove hooks, release its channel process
@@ -162,16 +170,12 @@ class GradSyncOverrides(GradSyncArguments):
         """gradsync's hooks are attached by `wrap` in `setup_optimizers`."""
 
     def setup_optimizers(self, trainer) -> None:
-        """Create the optimizer as Lightning does, then attach gradsync and step through its
-        SyncedOptimizer. The runtime drives one model with one optimizer."""
+        """Create the optimizers as Lightning does, then attach gradsync and step through its
+        SyncedOptimizers: one runtime for the module, whichever optimizer steps (several, under
+        manual optimisation: each updates its own parameters, as ``gradsync.wrap`` takes a list)."""
         super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ConfigError(f"{type(self).__name__} needs exactly one optimizer from configure_optimizers, "
-                              f"got {len(self.optimizers)}")
         started = time.perf_counter()
-        model, synced = wrap(self.lightning_module, self.optimizers[0], self.scheduler, self.compressor,
-                             **self._wrap_options())
-        self.runtime = attached(model)
+        synced = self._attach(self.lightning_module, self.optimizers)
         self.logged_iteration = -1
         self.plan_announced = False
         self._announce(f"attached in {time.perf_counter() - started:.1f} s")
@@ -179,7 +183,7 @@ class GradSyncOverrides(GradSyncArguments):
         # step may read them, the backward pass ends once they are averaged, as DDP's does (this gives
         # up overlapping forward-phase ops with the next forward)
         self.runtime.wait_at_backward_end = self._gradients_read_before_step()
-        self.optimizers = [synced]
+        self.optimizers = synced
         callbacks = trainer.callbacks
         if not any(isinstance(callback, DeferredUpdatesFirst) for callback in callbacks):
             callbacks.insert(0, self.DEFERRED_UPDATES_CALLBACK(self))

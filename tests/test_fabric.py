@@ -1,17 +1,19 @@
 """Lightning Fabric with gradsync's strategies: ``Fabric(strategy=<name>)`` on 2 gloo ranks, against
 Fabric's own DDP (with gradient accumulation through ``fabric.no_backward_sync`` and clipping through
-``fabric.clip_gradients``)."""
+``fabric.clip_gradients``; and a GAN's two optimizers)."""
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
+from lightning_fabric.strategies import DDPStrategy
 
 import gradsync  # noqa: F401  (registers the strategy names)
 from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.strategies import GradSyncFabricStrategy
+from test_optimizer_groups import GAN, gan_rounds, optimizers
 
 STEPS = 8  # every other step accumulates: 4 optimizer steps
 
@@ -58,6 +60,14 @@ def fabric_runs(rank, world_size):
         label = name if isinstance(name, str) else "us_byte"
         results[label] = {"params": params.tolist(), "same_on_ranks": all(torch.equal(gathered[0], g) for g in gathered),
                           "strategy": type(fabric.strategy).__name__}
+    for label, name in (("gan/ddp", DDPStrategy(find_unused_parameters=True)), ("gan/wfbp", "wfbp")):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=name)
+        fabric.launch()
+        torch.manual_seed(0)
+        gan = GAN()
+        module, g_optimizer, d_optimizer = fabric.setup(gan, *optimizers(gan))
+        gan_rounds(module, gan, g_optimizer, d_optimizer, torch.Generator().manual_seed(rank), 4, freeze=True)
+        results[label] = {"params": torch.cat([p.detach().reshape(-1) for p in gan.parameters()]).tolist()}
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy="wfbp")
     fabric.launch()
     try:
@@ -77,6 +87,9 @@ def test_fabric_strategies_train_like_fabrics_ddp_with_accumulation():
         compressed = torch.tensor(results["acp_sgd"]["params"])
         assert 0 < (compressed - reference).abs().max() < 0.1  # the 64 × 32 weight at rank 4: close, not equal
         assert "fabric.setup(model, optimizer)" in results["model_alone"]
+        # a GAN's two optimizers in one fabric.setup, as under Fabric's DDP
+        gan, gan_reference = (torch.tensor(results[f"gan/{name}"]["params"]) for name in ("wfbp", "ddp"))
+        assert (gan - gan_reference).abs().max() < 1e-6
 
 
 def test_bad_fabric_strategy_arguments_are_refused_before_launch():

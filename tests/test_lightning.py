@@ -106,6 +106,35 @@ class ManualClassifier(Classifier):
         optimizer.step()
 
 
+class GANModule(pl.LightningModule):
+    """Two optimizers under manual optimisation: a GAN's alternating steps, the discriminator's
+    then the generator's, the discriminator frozen for the generator's by toggle_optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 16))
+        self.discriminator = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def training_step(self, batch, _index):
+        g_optimizer, d_optimizer = self.optimizers()
+        real, _ = batch
+        fake = self.generator(real[:, :4])
+        d_optimizer.zero_grad()
+        self.manual_backward(F.softplus(-self.discriminator(real)).mean()
+                             + F.softplus(self.discriminator(fake.detach())).mean())
+        d_optimizer.step()
+        self.toggle_optimizer(g_optimizer)
+        g_optimizer.zero_grad()
+        self.manual_backward(F.softplus(-self.discriminator(fake)).mean())
+        g_optimizer.step()
+        self.untoggle_optimizer(g_optimizer)
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+                torch.optim.SGD(self.discriminator.parameters(), lr=0.05, momentum=0.9))
+
+
 class HookClipClassifier(Classifier):
     """Clips in its own configure_gradient_clipping, without the Trainer's gradient_clip_val."""
 
@@ -334,6 +363,9 @@ def all_runs(rank, world_size, root):
         results[f"norms/{name}"] = attempt(lambda: fit_recording_norms(without_probes(name), root))
         results[f"norms_after_backward/{name}"] = attempt(
             lambda: fit_recording_norms(without_probes(name), root, NormsAfterBackward))
+    results["gan/ddp"] = attempt(lambda: fit("ddp_find_unused_parameters_true", root, model_class=GANModule))
+    for name in ("wfbp", "us_byte"):
+        results[f"gan/{name}"] = attempt(lambda: fit(without_probes(name), root, model_class=GANModule))
     results["swa/ddp"] = attempt(lambda: fit_averaging_weights("ddp", root))
     results["swa/us_byte"] = attempt(lambda: fit_averaging_weights(deferred_us_byte(), root))
     results["fp16/acp_sgd"] = attempt(lambda: fit_following_the_scale(root))
@@ -549,6 +581,14 @@ def test_manual_optimization_matches_ddp(ranks):
     assert distance(ranks[0]["manual/us_byte"], ranks[0]["manual/ddp"]) < TOLERANCE
     assert distance(ranks[0]["manual/ddp"], ranks[0]["ddp"]) > TOLERANCE  # clipping was active
     assert {f"gradsync/{name}" for name in STATS} <= set(ranks[0]["manual/us_byte"]["metrics"])
+
+
+def test_two_optimizers_under_manual_optimization_match_ddp(ranks):
+    """A GAN's two optimizers (gradsync.wrap takes both): every manual_backward is averaged, and
+    each optimizer steps its own parameters, as under Lightning's DDP."""
+    for name in ("wfbp", "us_byte"):
+        assert distance(ranks[0][f"gan/{name}"], ranks[0]["gan/ddp"]) < TOLERANCE, name
+    assert distance(ranks[0]["gan/us_byte"], ranks[1]["gan/us_byte"]) == 0
 
 
 def test_acp_sgd_resumes_exactly_from_a_trainer_checkpoint(ranks):
