@@ -276,16 +276,24 @@ def save_without_gradsync_state(path: Path, stripped: Path) -> None:
     torch.save(checkpoint, stripped)
 
 
-def resume_runs(rank, root: Path) -> dict:
-    """acp_sgd for two 3-step epochs straight, and one epoch + a checkpoint + a resumed second."""
+def straight_and_resumed(train, checkpoints: Path) -> dict:
+    """`train(**trainer_options)` for two 3-step epochs straight, and one epoch + a checkpoint (in
+    `checkpoints`, which every rank reads) + a resumed second."""
     epoch = dict(limit_train_batches=3, max_steps=-1)
-    runs = {"straight": attempt(lambda: fit(without_probes("acp_sgd"), root, max_epochs=2, **epoch))}
-    saver = ModelCheckpoint(dirpath=root / "checkpoints", filename="resume", save_on_train_epoch_end=True)
-    runs["first_epoch"] = attempt(lambda: fit(without_probes("acp_sgd"), root, max_epochs=1, enable_checkpointing=True,
-                                              callbacks=[saver], **epoch))
+    runs = {"straight": attempt(lambda: train(max_epochs=2, **epoch))}
+    saver = ModelCheckpoint(dirpath=checkpoints, filename="resume", save_on_train_epoch_end=True)
+    runs["first_epoch"] = attempt(lambda: train(callbacks=[saver], max_epochs=1, enable_checkpointing=True, **epoch))
+    runs["resumed"] = attempt(lambda: train(ckpt_path=checkpoints / "resume.ckpt", max_epochs=2, **epoch))
+    return runs
+
+
+def resume_runs(rank, root: Path) -> dict:
+    """acp_sgd straight and resumed (straight_and_resumed), and resumed from the checkpoint stripped
+    of gradsync's state."""
+    epoch = dict(limit_train_batches=3, max_steps=-1)
+    runs = straight_and_resumed(lambda **options: fit(without_probes("acp_sgd"), root, **options), root / "checkpoints")
     saved = root / "checkpoints" / "resume.ckpt"
     stripped = saved.with_name("stripped.ckpt")
-    runs["resumed"] = attempt(lambda: fit(without_probes("acp_sgd"), root, ckpt_path=saved, max_epochs=2, **epoch))
     if rank == 0:
         save_without_gradsync_state(saved, stripped)
         gradsync_state = torch.load(saved, weights_only=False)["optimizer_states"][0]["gradsync"]
@@ -328,16 +336,9 @@ def fit_with_hook_callback(root, ckpt_path=None, callbacks=(), **options) -> dic
 
 
 def hook_resume_runs(root: Path) -> dict:
-    """The hook callback for two 3-step epochs straight, and one epoch + a checkpoint + a resumed
-    second (the hook's state, every rank's, in Lightning's checkpoint)."""
-    epoch = dict(limit_train_batches=3, max_steps=-1)
-    runs = {"straight": attempt(lambda: fit_with_hook_callback(root, max_epochs=2, **epoch))}
-    saver = ModelCheckpoint(dirpath=root / "hook_checkpoints", filename="resume", save_on_train_epoch_end=True)
-    runs["first_epoch"] = attempt(lambda: fit_with_hook_callback(root, callbacks=[saver], max_epochs=1,
-                                                                 enable_checkpointing=True, **epoch))
-    runs["resumed"] = attempt(lambda: fit_with_hook_callback(root, ckpt_path=root / "hook_checkpoints" / "resume.ckpt",
-                                                             max_epochs=2, **epoch))
-    return runs
+    """The hook callback straight and resumed (the hook's state, every rank's, in Lightning's
+    checkpoint)."""
+    return straight_and_resumed(lambda **options: fit_with_hook_callback(root, **options), root / "hook_checkpoints")
 
 
 def all_runs(rank, world_size, root):
@@ -372,6 +373,9 @@ def all_runs(rank, world_size, root):
     results["fp16/hook"] = attempt(lambda: fit_with_hook_callback(root, plugins=[fp16_with_grad_scaler()]))
     results["resume"] = resume_runs(rank, shared)
     results["hook_resume"] = hook_resume_runs(shared)
+    results["gan_resume"] = straight_and_resumed(  # both optimizers' states carry gradsync's
+        lambda **options: fit(without_probes("acp_sgd"), shared, model_class=GANModule, **options),
+        shared / "gan_checkpoints")
     return results
 
 
@@ -589,6 +593,13 @@ def test_two_optimizers_under_manual_optimization_match_ddp(ranks):
     for name in ("wfbp", "us_byte"):
         assert distance(ranks[0][f"gan/{name}"], ranks[0]["gan/ddp"]) < TOLERANCE, name
     assert distance(ranks[0]["gan/us_byte"], ranks[1]["gan/us_byte"]) == 0
+
+
+def test_two_optimizers_with_acp_sgd_resume_exactly_from_a_trainer_checkpoint(ranks):
+    for rank in (0, 1):
+        runs = ranks[rank]["gan_resume"]
+        assert distance(runs["resumed"], runs["straight"]) == 0
+        assert distance(runs["first_epoch"], runs["straight"]) > TOLERANCE
 
 
 def test_acp_sgd_resumes_exactly_from_a_trainer_checkpoint(ranks):
