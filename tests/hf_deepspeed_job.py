@@ -146,6 +146,13 @@ def run(name: str, section: dict | None, out: Path, **options) -> tuple[list, to
     return ran, trained
 
 
+def same_on_every_rank(parameters: torch.Tensor) -> bool:
+    """Whether every rank holds these trained parameters (their sums compared)."""
+    sums = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, parameters.double().sum().item())
+    return len(set(sums)) == 1
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -153,18 +160,14 @@ def main() -> None:
     PartialState._prepare_backend = lambda self, cpu, sagemaker_dp, backend: ("gloo", DistributedType.MULTI_CPU)
     # first, while Accelerate has not been told of DeepSpeed (its plugin sets that for the process)
     ddp, identity, acp_sgd = (hooked_by_accelerate(compressor) for compressor in (None, "identity", "acp_sgd"))
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, acp_sgd.double().sum().item())
     result = {"accelerate_ddp_hook": {"identity_difference_to_ddp": (identity - ddp).abs().max().item(),
                                       "acp_sgd_difference_to_ddp": (acp_sgd - ddp).abs().max().item(),
-                                      "acp_sgd_replicas_agree": len(set(digests)) == 1}}
+                                      "acp_sgd_replicas_agree": same_on_every_rank(acp_sgd)}}
     for name in BESIDE_DEEPSPEED:
         plain_engine, plain = run(name, None, out)
         engine, trained = run(name, SECTION, out)
-        digests = [None] * dist.get_world_size()
-        dist.all_gather_object(digests, trained.double().sum().item())
         result[name] = {"engines": [plain_engine, engine], "world_size": dist.get_world_size(),
-                        "replicas_agree": len(set(digests)) == 1,
+                        "replicas_agree": same_on_every_rank(trained),
                         "trained_from_start": (plain - initial_parameters()).abs().max().item(),
                         "max_abs_difference_to_plain": (trained - plain).abs().max().item()}
     # ACP-SGD's error feedback and factors travel in the Trainer's checkpoint

@@ -84,3 +84,42 @@ class AttentionNet(nn.Module):
         x = self.embed(tokens)
         x, _ = self.attention(x, x, x, need_weights=False)
         return self.head(x.mean(1))
+
+
+class GAN(nn.Module):
+    """A generator and a discriminator; the forward is the discriminator's pass (on real samples
+    and detached fakes) or, without `real`, the generator's."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, noise, real=None):
+        fake = self.generator(noise)
+        if real is None:
+            return self.discriminator(fake)
+        return self.discriminator(real), self.discriminator(fake.detach())
+
+
+def gan_optimizers(gan: GAN) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adam(gan.generator.parameters(), lr=1e-2),
+            torch.optim.SGD(gan.discriminator.parameters(), lr=0.05, momentum=0.9)]
+
+
+def gan_rounds(model, gan: GAN, g_optimizer, d_optimizer, numbers: torch.Generator, rounds: int,
+               freeze: bool) -> None:
+    """A GAN's alternating steps: the discriminator's, then the generator's (the discriminator
+    frozen for it where `freeze`, as Lightning's toggle_optimizer does; else its gradients are
+    averaged and cleared unused)."""
+    for _ in range(rounds):
+        real, noise = torch.randn(6, 8, generator=numbers), torch.randn(6, 4, generator=numbers)
+        d_optimizer.zero_grad()
+        on_real, on_fake = model(noise, real)
+        (F.softplus(-on_real).mean() + F.softplus(on_fake).mean()).backward()
+        d_optimizer.step()
+        g_optimizer.zero_grad()
+        gan.discriminator.requires_grad_(not freeze)
+        F.softplus(-model(noise)).mean().backward()
+        g_optimizer.step()
+        gan.discriminator.requires_grad_(True)

@@ -13,7 +13,7 @@ import gradsync  # noqa: F401  (registers the strategy names)
 from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.strategies import GradSyncFabricStrategy
-from test_optimizer_groups import GAN, gan_rounds, optimizers
+from runtime_models import GAN, gan_optimizers, gan_rounds
 
 STEPS = 8  # every other step accumulates: 4 optimizer steps
 
@@ -65,7 +65,7 @@ def fabric_runs(rank, world_size):
         fabric.launch()
         torch.manual_seed(0)
         gan = GAN()
-        module, g_optimizer, d_optimizer = fabric.setup(gan, *optimizers(gan))
+        module, g_optimizer, d_optimizer = fabric.setup(gan, *gan_optimizers(gan))
         gan_rounds(module, gan, g_optimizer, d_optimizer, torch.Generator().manual_seed(rank), 4, freeze=True)
         results[label] = {"params": torch.cat([p.detach().reshape(-1) for p in gan.parameters()]).tolist()}
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy="wfbp")

@@ -2,55 +2,15 @@
 updating its own parameters: ``gradsync.wrap(model, [g_optimizer, d_optimizer])``."""
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import gradsync
 from gradsync.errors import ConfigError
 from gradsync.runtime import attached
 from launches import side_by_side
-from runtime_models import COST
+from runtime_models import COST, GAN, gan_optimizers, gan_rounds
 
 ROUNDS = 8
-
-
-class GAN(nn.Module):
-    """A generator and a discriminator; the forward is the discriminator's pass (on real samples
-    and detached fakes) or, without `real`, the generator's."""
-
-    def __init__(self):
-        super().__init__()
-        self.generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
-        self.discriminator = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def forward(self, noise, real=None):
-        fake = self.generator(noise)
-        if real is None:
-            return self.discriminator(fake)
-        return self.discriminator(real), self.discriminator(fake.detach())
-
-
-def optimizers(gan: GAN) -> list[torch.optim.Optimizer]:
-    return [torch.optim.Adam(gan.generator.parameters(), lr=1e-2),
-            torch.optim.SGD(gan.discriminator.parameters(), lr=0.05, momentum=0.9)]
-
-
-def gan_rounds(model, gan: GAN, g_optimizer, d_optimizer, numbers: torch.Generator, rounds: int,
-               freeze: bool) -> None:
-    """A GAN's alternating steps: the discriminator's, then the generator's (the discriminator
-    frozen for it where `freeze`, as Lightning's toggle_optimizer does; else its gradients are
-    averaged and cleared unused)."""
-    for _ in range(rounds):
-        real, noise = torch.randn(6, 8, generator=numbers), torch.randn(6, 4, generator=numbers)
-        d_optimizer.zero_grad()
-        on_real, on_fake = model(noise, real)
-        (F.softplus(-on_real).mean() + F.softplus(on_fake).mean()).backward()
-        d_optimizer.step()
-        g_optimizer.zero_grad()
-        gan.discriminator.requires_grad_(not freeze)
-        F.softplus(-model(noise)).mean().backward()
-        g_optimizer.step()
-        gan.discriminator.requires_grad_(True)
 
 
 def trained(rank, world_size, front: str, freeze: bool):
@@ -58,7 +18,7 @@ def trained(rank, world_size, front: str, freeze: bool):
     or under torch DDP (which finds the generator unused in the discriminator's pass)."""
     torch.manual_seed(0)
     gan = GAN()
-    g_optimizer, d_optimizer = optimizers(gan)
+    g_optimizer, d_optimizer = gan_optimizers(gan)
     if front == "torch":
         model = nn.parallel.DistributedDataParallel(gan, find_unused_parameters=True)
     else:
@@ -92,7 +52,7 @@ def resumed(rank, world_size, compressor: str):
     def attach():
         torch.manual_seed(0)
         gan = GAN()
-        model, synced = gradsync.wrap(gan, optimizers(gan), scheduler="wfbp", compressor=compressor, cost=COST)
+        model, synced = gradsync.wrap(gan, gan_optimizers(gan), scheduler="wfbp", compressor=compressor, cost=COST)
         return gan, model, synced
 
     gan, model, synced = attach()
@@ -136,7 +96,7 @@ def added_twice(rank, world_size):
     """A parameter group added to the generator's optimizer with the discriminator's parameters:
     the error, and whether the optimizers still step."""
     gan = GAN()
-    model, (g_optimizer, d_optimizer) = gradsync.wrap(gan, optimizers(gan), scheduler="wfbp", cost=COST)
+    _, (g_optimizer, _) = gradsync.wrap(gan, gan_optimizers(gan), scheduler="wfbp", cost=COST)
     try:
         g_optimizer.add_param_group({"params": list(gan.discriminator.parameters())})
     except ConfigError as error:
