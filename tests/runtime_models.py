@@ -58,6 +58,17 @@ def distance(model: nn.Module, reference: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def refusal_and_change(action, model: nn.Module) -> tuple[Exception | None, bool]:
+    """The error `action()` raised (None where it ran), and whether it changed a parameter of `model`."""
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        action()
+        refusal = None
+    except Exception as error:  # noqa: BLE001 - the caller judges it
+        refusal = error
+    return refusal, any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
 def synthetic_profile(model: nn.Module):
     """Forward order of TiedNet with made-up times (ms scale), so planners build varied plans."""
     table = ParameterTable.of(model)

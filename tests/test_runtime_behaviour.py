@@ -14,7 +14,7 @@ from gradsync.launch import run_local
 from gradsync.runtime import attached, statistics
 from gradsync.runtime.measure.trials import PlanTrials
 from launches import side_by_side
-from runtime_models import COST, TiedNet, batch, synthetic_profile
+from runtime_models import COST, TiedNet, batch, refusal_and_change, synthetic_profile
 
 
 def _loss(model, rank, step):
@@ -140,18 +140,12 @@ def no_sync_pass_after_a_synchronised_one(rank, world_size):
         _loss(network, rank, 0).backward()
         with no_sync:
             _loss(network, rank, 1).backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    try:
-        optimizer.step()
-        refused = None
-    except RuntimeError as error:
-        refused = str(error)
-    changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    refused, changed = refusal_and_change(optimizer.step, model)
     for network, stepper in ((model, optimizer), (reference, reference_optimizer)):
         _loss(network, rank, 2).backward()
         stepper.step()
     difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    return refused, changed, difference
+    return str(refused), changed, difference
 
 
 def test_a_no_sync_pass_after_a_synchronised_one_is_averaged_by_the_next_and_refused_at_a_step_before():

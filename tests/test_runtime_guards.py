@@ -1,7 +1,7 @@
 """Runtime guards against silent divergence: gradients accumulated under no_sync, updates deferred
 into the forward of tied weights, gradients cleared by the model's zero_grad before such an update,
-parameters written before their deferred update or read before it, parameters unfrozen after the
-wrap, dtype mixes the planners cannot separate, failed wraps."""
+parameters written before their deferred update or read before it, dtype mixes the planners cannot
+separate, failed wraps (parameters unfrozen after the wrap: test_unfreezing)."""
 import copy
 import os
 import types
@@ -373,67 +373,6 @@ def test_a_deep_copy_of_the_model_made_after_the_wrap_trains_nothing_of_it(sched
     for apart, averages_apart, iterations in run_local(averaged_copy_beside_ddp, 2, scheduler, options):
         assert apart < 1e-6 and averages_apart < 1e-6
         assert iterations == 6  # the model's own; no pass through the copy counted as one
-
-
-def flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def unfrozen_after_the_wrap(rank, world_size):
-    """The trunk frozen at wrap, the optimizer over every parameter: two steps, then the trunk
-    unfrozen. Returns the refused step's error, whether it changed a parameter, and after a new wrap
-    two more steps: how far the replicas are apart and how far the trunk moved."""
-    torch.manual_seed(0)
-    model = TwoBranches()
-    model.trunk.requires_grad_(False)
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
-    for step in range(2):
-        optimizer.zero_grad()
-        _branch_loss(model, rank, step, "a").backward()
-        optimizer.step()
-    model.trunk.requires_grad_(True)
-    optimizer.zero_grad()
-    _branch_loss(model, rank, 2, "a").backward()
-    before = flat(model)
-    try:
-        optimizer.step()
-        error = None
-    except RuntimeError as refused:
-        error = str(refused)
-    changed = not torch.equal(before, flat(model))
-    attached(model).detach()
-    model.zero_grad()
-    trunk = model.trunk.weight.detach().clone()
-    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler="ddp", cost=COST)
-    for step in range(3, 5):
-        optimizer.zero_grad()
-        _branch_loss(model, rank, step, "a").backward()
-        optimizer.step()
-    gathered = [torch.empty_like(flat(model)) for _ in range(world_size)]
-    torch.distributed.all_gather(gathered, flat(model))
-    moved = (model.trunk.weight - trunk).abs().max().item()
-    attached(model).detach()
-    return error, changed, (gathered[0] - gathered[1]).abs().max().item(), moved
-
-
-def test_a_parameter_unfrozen_after_the_wrap_is_refused_at_the_step_and_trains_after_a_new_wrap():
-    for error, changed, replicas_apart, trunk_moved in run_local(unfrozen_after_the_wrap, 2):
-        assert error is not None and "['trunk.weight', 'trunk.bias'] were frozen when gradsync wrapped" in error
-        assert not changed
-        assert replicas_apart == 0.0 and trunk_moved > 0
-
-
-def test_a_parameter_unfrozen_after_the_wrap_is_refused_when_added_to_the_optimizer():
-    """torch.distributed is not initialised here: the table's check needs none."""
-    model = TwoBranches()
-    model.trunk.requires_grad_(False)
-    table = ParameterTable.of(model)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    table.check_optimizer(optimizer)
-    model.trunk.requires_grad_(True)
-    optimizer.add_param_group({"params": list(model.trunk.parameters())})
-    with pytest.raises(ConfigError, match=r"\['trunk\.weight', 'trunk\.bias'\] were frozen when gradsync wrapped"):
-        table.check_optimizer(optimizer)
 
 
 def _half_and_bfloat():

@@ -74,20 +74,24 @@ def attach(engine, arguments: WrapArguments) -> None:
     optimizer does at stage 0 (``gradsync.deepspeed.takeover``: its step reads the averaged
     gradients); at stage 0 in fp32 the engine's optimizer becomes gradsync's SyncedOptimizer. A
     parameter no rank produced a gradient for gets zeros, as DeepSpeed's all-reduce gives it (so
-    that momentum and weight decay act on it as they do without gradsync)."""
+    that momentum and weight decay act on it as they do without gradsync). A parameter frozen at
+    ``deepspeed.initialize`` stays out (DeepSpeed's optimizers hold those trainable then): one
+    unfrozen later is refused at the step."""
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         zero = engine.optimizer
         table = ParameterTable.of(engine.module)
         _, synced = attach_runtime(engine.module, ZeroStep(zero, list(table.parameters.values())), arguments,
-                                   partition=zero_partition(zero, table), unused_as_zeros=True)
+                                   partition=zero_partition(zero, table), unused_as_zeros=True, takes_unfrozen=False)
         take_over_zero(zero, synced)
     elif isinstance(engine.optimizer, MIXED_PRECISION_OPTIMIZERS):
         own = engine.optimizer
         parameters = list(ParameterTable.of(engine.module).parameters.values())
-        _, synced = attach_runtime(engine.module, OwnStep(own, parameters), arguments, unused_as_zeros=True)
+        _, synced = attach_runtime(engine.module, OwnStep(own, parameters), arguments, unused_as_zeros=True,
+                                   takes_unfrozen=False)
         take_over(own, synced)
     else:
-        _, synced = attach_runtime(engine.module, engine.optimizer, arguments, unused_as_zeros=True)
+        _, synced = attach_runtime(engine.module, engine.optimizer, arguments, unused_as_zeros=True,
+                                   takes_unfrozen=False)
         engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.enable_backward_allreduce = False
     engine.gradsync = attached(engine.module)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import planners
 from ..agreement import gather_from_all, share_from_first, waiting_for
 from ..compress import Codec
 from ..cost import CostModel
@@ -24,7 +23,6 @@ from .executor import NonFiniteGradient
 from .parameter_table import ParameterTable
 from .partition import Partition
 from .installed import InstalledPlans
-from .measure.calibration import ProfileCalibration
 from .measure.probes import measure_cost
 from .optimizer import OptimizerGroup, SyncedOptimizer
 from .report import LayoutReport, SyncReport
@@ -124,7 +122,8 @@ def wrap(
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, arguments: WrapArguments,
-           process_group=None, partition: Partition | None = None, unused_as_zeros: bool = False):
+           process_group=None, partition: Partition | None = None, unused_as_zeros: bool = False,
+           takes_unfrozen: bool = True):
     """``wrap`` with arguments already checked by ``check_wrap_arguments``.
 
     Args:
@@ -138,6 +137,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, argu
         unused_as_zeros: a trainable parameter no rank produced a gradient for gets a gradient of
             zeros, as DeepSpeed's engine fills them before its all-reduce (so that momentum and
             weight decay still act on it); else its gradient stays as it is, as under torch DDP.
+        takes_unfrozen: a parameter frozen at the attach and trainable later joins the plans at the
+            next forward pass (``GradSync``; not with a compressor or a partition); else refused.
     """
     members = OptimizerGroup.of(optimizer) if isinstance(optimizer, (list, tuple)) else None
     bound = optimizer if members is None else members
@@ -169,8 +170,9 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, argu
     codec.may_skip_steps = arguments.nonfinite != "raise"
     codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
     installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
-                               arguments.plan_trials, partition, arguments.replan, unused_as_zeros)
-    sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer)
+                               arguments.plan_trials, partition, arguments.replan, unused_as_zeros,
+                               (arguments.warmup_iterations, arguments.measure_iterations))
+    sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer, takes_unfrozen)
     with sync.detached_on_error():
         sync.check_optimizer(bound)
         with waiting_for("the network probes at gradsync.wrap", arguments.timeout):
@@ -180,10 +182,7 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, argu
         if arguments.profile is not None:
             installed.install(arguments.profile, cost)
         else:
-            installed.install(skeleton, cost, planners.one_bucket())  # see runtime.measure.calibration
-            installed.measurement = ProfileCalibration(table, cost.host, channels, arguments.warmup_iterations,
-                                                       arguments.measure_iterations, type(model).__name__,
-                                                       codec.steady_rounds())
+            installed.measure_profile(type(model).__name__, cost)
         if members is None:
             return model, SyncedOptimizer(optimizer, sync)
         return model, [SyncedOptimizer(member, sync, bound=members) for member in members.optimizers]

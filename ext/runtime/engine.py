@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import time
 import types
 import weakref
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ..agreement import waiting_for
+from ..agreement import check_same_on_all_ranks, waiting_for
 from ..compress import Codec
 from ..compress.loss_scale import LossScaleFollower
 from ..errors import ConfigError, GradientsChangedInFlight
@@ -48,11 +49,12 @@ from .output_start import OutputStart
 from .over_ranks import reduction_over_ranks
 from .installed import InstalledPlans
 from .module_hooks import on_module
-from .parameter_table import ParameterTable, unfrozen_message
+from .parameter_table import ParameterTable
 from .measure import IterationDone, Measurement
 from .report import SyncReport
 from .statistics import IterationClock
 
+log = logging.getLogger("gradsync")
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
 
 
@@ -62,16 +64,14 @@ class GradSync:
     deferred updates (``deferred``) and the iteration statistics (``clock``)."""
 
     def __init__(self, model, table: ParameterTable, channels: Channels, installed: InstalledPlans,
-                 broadcast_buffers: bool, trace=None):
+                 broadcast_buffers: bool, trace=None, takes_unfrozen: bool = True):
         self.model = model
-        self.table = table
         self.channels = channels
-        self.installed = installed
         self.codec = installed.codec
         self.clock = IterationClock()
-        self.deferred = DeferredUpdates(table, self.clock)
-        self.frozen_held: dict[str, torch.nn.Parameter] = {}  # parameters frozen at wrap that the optimizer holds
-        self.gradient_bytes = sum(p.numel() * p.element_size() for p in table.parameters.values())
+        # a parameter frozen at wrap that trains later joins the plans (`_take_in_unfrozen`): not with a
+        # codec's state per tensor, nor with a partition fixed at the attach
+        self.takes_unfrozen = takes_unfrozen and self.codec.name == Codec.name and installed.partition is None
         self.buffers_from_first = FirstRankValues(channels.process_group) if broadcast_buffers else None
         # the modules holding buffers at wrap time, as torch DDP lists them once: the model is not
         # walked again each iteration (a buffer a module holds is re-read, so a replaced one is sent)
@@ -90,14 +90,27 @@ class GradSync:
         self.rounds_now: tuple[str, ...] = ()  # the wire layouts the current iteration sends
         self.executor: PlanExecutor | None = None  # the one running the current iteration
         self.buffers_arriving: Callable[[], None] | None = None  # completes the backward pass's buffer broadcast
-        self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
-        self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
         # Every module hook acts on the module it was registered on alone: a copy of the model
         # (copy.deepcopy, as AveragedModel and EMA helpers make) carries the hooks, inert there.
         self.handles = [model.register_forward_pre_hook(on_module(model, self._root_pre_forward)),
                         model.register_state_dict_pre_hook(on_module(model, lambda *_: self.flush_deferred())),
                         model.register_load_state_dict_pre_hook(on_module(model, lambda *_: self.flush_deferred()))]
         self.handles.append(model.register_forward_hook(on_module(model, self._root_post_forward)))
+        self._take_table(table, installed)
+        if type(model).zero_grad is torch.nn.Module.zero_grad:  # a class's own zero_grad is left as it is
+            model.zero_grad = types.MethodType(_zero_grad_while_attached, model)
+        _ATTACHED[model] = self
+
+    def _take_table(self, table: ParameterTable, installed: InstalledPlans) -> None:
+        """What is made for one table of the trainable parameters: its plans, its deferred updates,
+        the hooks on its parameters and modules."""
+        self.table = table
+        self.installed = installed
+        self.deferred = DeferredUpdates(table, self.clock)
+        self.frozen_held: dict[str, torch.nn.Parameter] = {}  # parameters frozen at wrap that the optimizer holds
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in table.parameters.values())
+        self.ran_forward: set[str] = set()  # owner modules whose forward ran in this forward pass
+        self.silent: set[str] = set()  # owner modules seen skipping their forward: updated at the root
         self.arrival_hooks: dict[str, object] = {}  # parameter -> its arrival hook (none while begun at the outputs)
         self.output_start = OutputStart(table.parameters)
         self.begins_at_outputs = False  # the next iteration begins at the outputs' first gradient
@@ -108,23 +121,28 @@ class GradSync:
         # the last synchronised pass reached the outputs first, and the graph named its parameters
         self.announced = False
         self._hook_arrivals(True)
-        for module, owners in table.borrowers.values():
-            self.handles.append(module.register_forward_pre_hook(
-                on_module(module, self._pre_forward_borrowing(owners)), prepend=True))
+        self.table_handles = [module.register_forward_pre_hook(on_module(module, self._pre_forward_borrowing(owners)),
+                                                               prepend=True)
+                              for module, owners in table.borrowers.values()]
+        if self.trace is not None:
+            self.table_handles += [module.register_forward_hook(
+                on_module(module, lambda _m, _i, _o, name=module_name: self.trace.forward_end(name)))
+                for module_name, module in table.modules.items()]
         self.forward_hooks: dict[str, object] = {}  # owner module -> the handle of its pre-forward hook
         self.gradient_hooks: dict[str, object] = {}  # parameter -> the handle of its post-accumulate-grad hook
         self.ready_wanted: set[str] = set()  # the parameters the plans in force want ready hooks on
         self.hooks_made_for: tuple | None = None  # (plans, timing layers) the hooks were chosen for
         self.forward_hooks_base: set[str] = set()
-        for module_name, module in table.modules.items():
-            if trace is not None:
-                self.handles.append(module.register_forward_hook(
-                    on_module(module, lambda _m, _i, _o, name=module_name: trace.forward_end(name))))
         self.module_of = {name: m for m, names in table.owners.items() for name in names}
         self._hooks_where_needed()
-        if type(model).zero_grad is torch.nn.Module.zero_grad:  # a class's own zero_grad is left as it is
-            model.zero_grad = types.MethodType(_zero_grad_while_attached, model)
-        _ATTACHED[model] = self
+
+    def _drop_table_hooks(self) -> None:
+        """Remove the hooks `_take_table` and the plans put on the table's parameters and modules."""
+        self._hook_arrivals(False)
+        self.begins_at_outputs = False
+        for handle in [*self.table_handles, *self.forward_hooks.values(), *self.gradient_hooks.values()]:
+            handle.remove()
+        self.table_handles, self.forward_hooks, self.gradient_hooks = [], {}, {}
 
     @property
     def measurement(self) -> Measurement | None:
@@ -167,8 +185,13 @@ class GradSync:
             iteration=self.clock.iteration, history=tuple(self.clock.history), gradient_bytes=self.gradient_bytes)
 
     def check_optimizer(self, optimizer) -> None:
+        """Update with `optimizer` (its parameters checked against the table). One frozen when the
+        table was made and trainable now joins the plans at the next forward pass where the runtime
+        takes it (`_take_in_unfrozen`); else it is refused."""
         self.deferred.bind(optimizer)
         self.frozen_held = self.table.frozen_in(optimizer)
+        if not self.takes_unfrozen:
+            self._refuse_unfrozen(ConfigError)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _arrival_hook_for(self, name: str):
@@ -415,6 +438,10 @@ class GradSync:
             self.clock.wait(self.executor, self.executor.wait_all)
 
     def _root_pre_forward(self, _module, _inputs) -> None:
+        if self.takes_unfrozen and self.table.frozen:
+            unfrozen = self.table.unfrozen()
+            if unfrozen:
+                self._take_in_unfrozen(unfrozen)
         self.ran_forward.clear()
         self.clock.forward_begins()
         if self.outputs_await_accumulators and self.output_start.can_prepare():
@@ -587,12 +614,60 @@ class GradSync:
                                     "use nonfinite='raise' there")
         self._finish_iteration()
 
-    def _refuse_unfrozen(self) -> None:
-        """A parameter frozen at wrap and trainable now has a gradient no op averages: refused before
-        the step updates anything (the optimizer holds it, so the step would apply it)."""
-        unfrozen = [name for name, parameter in self.frozen_held.items() if parameter.requires_grad]
-        if unfrozen:
-            raise RuntimeError(unfrozen_message(unfrozen))
+    def _refuse_unfrozen(self, error: type[Exception] = RuntimeError) -> None:
+        """A parameter frozen when the table was made and trainable now has a gradient no op averages:
+        refused before the step updates anything (the optimizer holds it, so the step would apply it).
+        Where the runtime takes such parameters in, only one with a gradient is: it was unfrozen after
+        this iteration's forward began, and joins the plans at the next."""
+        unfrozen = [name for name, parameter in self.frozen_held.items() if parameter.requires_grad
+                    and (not self.takes_unfrozen or parameter.grad is not None)]
+        if not unfrozen:
+            return
+        if self.takes_unfrozen:
+            raise error(f"parameter(s) {unfrozen[:5]} were unfrozen after this iteration's forward pass began: their "
+                        "gradients were not averaged, and the replicas would drift apart. Unfreeze parameters "
+                        "before a forward pass of the model (they join the plans as its forward begins: the model's "
+                        "own, not a method calling its layers); call optimizer.zero_grad() and run the step again")
+        raise error(f"parameter(s) {unfrozen[:5]} were frozen when gradsync attached and train now: no rank averages "
+                    "their gradients, so the replicas would drift apart. Parameters unfrozen later join the plans "
+                    "only without a compressor (its state is per tensor) and outside DeepSpeed: detach this runtime "
+                    "(gradsync.runtime.attached(model).detach()) and wrap the model again once the parameters to "
+                    "train are set")
+
+    def _take_in_unfrozen(self, names: list[str]) -> None:
+        """Parameters frozen when the table was made train now (`names`: a backbone unfrozen for
+        fine-tuning, as Lightning's BackboneFinetuning does), before this forward pass: the runtime
+        takes them in, as torch DDP does not (it leaves them out without a word).
+
+        1. Every launched op lands and every deferred update is applied (``flush``).
+        2. Every rank checks that the others unfroze the same parameters (a collective: every rank
+           unfreezes them before the same forward pass).
+        3. A new table of the trainable parameters; the profile is measured again over the next
+           iterations, then planned on the cost in force, as at wrap (``InstalledPlans.for_table``).
+        4. The hooks move to the new table's parameters and modules; the optimizer is checked again."""
+        if self.gradients_held:
+            raise RuntimeError(f"parameter(s) {names[:5]} were unfrozen between a backward pass and its "
+                               "optimizer.step(): unfreeze parameters after the step (they join the plans at the "
+                               "next forward pass)")
+        self.settle_step()
+        self.flush()
+        with waiting_for("the check that every rank unfroze the same parameters", self.channels.timeout):
+            check_same_on_all_ranks(names, "set of parameters unfrozen since the last plans were made",
+                                    "unfreeze the same parameters on every rank, before the same forward pass",
+                                    self.channels.process_group)
+        table = ParameterTable.of(self.model)
+        self.codec.setup({name: table.tensor_spec(name) for name in table.parameters}, self.channels.world_size,
+                         seed=0)  # the identity codec keeps no state the ranks share
+        installed = self.installed.for_table(table, type(self.model).__name__)
+        optimizer = self.deferred.optimizer
+        self._drop_table_hooks()
+        self._take_table(table, installed)
+        self.check_optimizer(optimizer)
+        if self.channels.rank == 0:
+            log.info("gradsync: %d parameter(s) unfrozen (%s): measuring and planning %d trainable parameters again",
+                     len(names), ", ".join(names[:3]) + (" ..." if len(names) > 3 else ""), len(table.parameters))
+        if self.trace is not None:
+            self.trace.mark(f"{len(names)} parameter(s) unfrozen: planning again")
 
     def flush_deferred(self) -> None:
         """Apply every pending deferred update now, in layer order."""
@@ -710,11 +785,10 @@ class GradSync:
 
     def _release(self) -> None:
         """Remove every hook, give the model torch's zero_grad back and release the channels."""
-        self._hook_arrivals(False)
-        self.begins_at_outputs = False
-        for handle in [*self.handles, *self.forward_hooks.values(), *self.gradient_hooks.values()]:
+        self._drop_table_hooks()
+        for handle in self.handles:
             handle.remove()
-        self.handles, self.forward_hooks, self.gradient_hooks = [], {}, {}
+        self.handles = []
         if getattr(self.model.__dict__.get("zero_grad"), "__func__", None) is _zero_grad_while_attached:
             del self.model.zero_grad
         _ATTACHED.pop(self.model, None)

@@ -18,6 +18,7 @@ from ..agreement import check_same_on_all_ranks, waiting_for
 from ..compress import Codec
 from ..cost import CostModel
 from ..plan import ALLREDUCE, REDUCE_SCATTER, Plan
+from .. import planners
 from ..planners import BoundPlanner
 from ..planning import LayoutPlan, StepPrediction, at_compute_scale, plan_layouts, steady_layouts, step_prediction
 from ..profile import ModelProfile
@@ -30,6 +31,7 @@ from .over_ranks import CombinedReductions, reduction_over_ranks
 from .parameter_table import ParameterTable
 from .partition import Partition
 from .measure import Install, IterationDone, Measurement, ProfileMeasured, TrialsDone
+from .measure.calibration import ProfileCalibration
 from .measure.cost_watch import CostWatch, Replan
 from .measure.trials import ChoiceWatch, PlanTrials, TrialResult
 from .report import LayoutReport
@@ -50,12 +52,14 @@ class InstalledPlans:
             `partition` and no compressor the plans' ops are reduce-scatters (each rank needs its
             partition alone).
         replan: time the communication and plan again when the network changes (``measure.cost_watch``).
+        calibration: the iterations a measured profile skips, then times (``measure_profile``).
     """
 
     def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
                  nonfinite: str, trace=None, plan_trials: int = 0, partition: Partition | None = None,
-                 replan: bool = False, unused_as_zeros: bool = False):
+                 replan: bool = False, unused_as_zeros: bool = False, calibration: tuple[int, int] = (1, 3)):
         self.table = table
+        self.calibration = calibration
         self.channels = channels
         self.planner = planner
         self.codec = codec
@@ -118,6 +122,25 @@ class InstalledPlans:
                 executor.time_ops()
             layouts = [(layout, executor.wire_bytes()) for layout, executor in self.executors.items()]
             self.cost_watch = CostWatch(cost, self.collective, layouts, self.reductions.starting(dist.ReduceOp.MIN))
+
+    def measure_profile(self, model_name: str, cost: CostModel) -> None:
+        """Time the layers over the next `calibration` iterations, which run one all-reduce at the
+        backward pass's end (``measure.calibration``); the wrapped scheduler's plans follow, on the
+        measured profile and `cost`."""
+        self.install(self.table.profile(model_name), cost, planners.one_bucket())
+        self.measurement = ProfileCalibration(self.table, cost.host, self.channels, *self.calibration, model_name,
+                                              self.codec.steady_rounds())
+
+    def for_table(self, table: ParameterTable, model_name: str) -> "InstalledPlans":
+        """Plans for `table`, a new table of the same model (parameters unfrozen since this one was
+        made), with these settings, the cost in force and the re-plannings so far; its profile is
+        measured again (`measure_profile`), then planned."""
+        successor = InstalledPlans(table, self.channels, self.planner, self.codec, self.nonfinite, self.trace,
+                                   self.plan_trials, self.partition, self.replan, self.unused_as_zeros,
+                                   self.calibration)
+        successor.replans = self.replans
+        successor.measure_profile(model_name, self.cost)
+        return successor
 
     def prediction(self, rounds: tuple[str, ...]) -> StepPrediction:
         """The simulator's prediction for a step sending `rounds`, on the profile's times scaled to

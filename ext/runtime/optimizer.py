@@ -158,8 +158,14 @@ class SyncedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group) -> None:
+        """The wrapped optimizer's ``add_param_group``; a group the runtime refuses is taken out again."""
         self.optimizer.add_param_group(param_group)
-        self.sync.check_optimizer(self.bound)
+        try:
+            self.sync.check_optimizer(self.bound)
+        except ConfigError:
+            self.optimizer.param_groups.pop()
+            self.sync.check_optimizer(self.bound)
+            raise
 
 
 def _requires_closure(optimizer: torch.optim.Optimizer) -> bool:

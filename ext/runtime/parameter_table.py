@@ -18,7 +18,8 @@ class ParameterTable:
     A shared parameter's first module owns it; the others holding it are its `borrowers`. Trainable
     parameters without elements have nothing to average: they are `empty`, left out of the plans (a
     torch DDP bucket holds no element of theirs either). The `frozen` ones (by name) are watched:
-    should one train later, its gradients would not be averaged (``frozen_in``)."""
+    should one train later (``unfrozen``), its gradients are averaged only once the runtime has made
+    a table and plans that hold it (``GradSync``)."""
 
     parameters: dict[str, nn.Parameter]
     owners: dict[str, list[str]]  # module name -> names of the parameters it owns directly
@@ -115,16 +116,14 @@ class ParameterTable:
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every parameter the optimizer updates (or an OptimizerGroup's members) must belong to the
-        model, have been trainable when the table was made, and be updated once."""
-        unfrozen = [name for name, p in self.frozen_in(optimizer).items() if p.requires_grad]
-        if unfrozen:
-            raise ConfigError(unfrozen_message(unfrozen))
+        model and be updated once (one frozen when the table was made and trainable now is the
+        runtime's to judge: ``GradSync.check_optimizer``)."""
         held = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
         twice = [name for name, p in self.parameters.items() if held[id(p)] > 1]
         if twice:
             raise ConfigError(f"parameters {twice[:5]} are each updated by two optimizers: give each parameter "
                               "to one optimizer")
-        known = {id(p) for p in (*self.parameters.values(), *self.empty)}
+        known = {id(p) for p in (*self.parameters.values(), *self.empty, *self.frozen.values())}
         foreign = [
             index
             for group in optimizer.param_groups
@@ -136,6 +135,10 @@ class ParameterTable:
                 f"optimizer holds {len(foreign)} parameter(s) that are not trainable parameters "
                 "of the model; pass the optimizer built on this model's parameters"
             )
+
+    def unfrozen(self) -> list[str]:
+        """The `frozen` parameters that train now."""
+        return [name for name, parameter in self.frozen.items() if parameter.requires_grad]
 
     def frozen_in(self, optimizer: torch.optim.Optimizer) -> dict[str, nn.Parameter]:
         """The `frozen` parameters `optimizer` holds, by name: one that trains later would be stepped
@@ -156,14 +159,6 @@ class ParameterTable:
                  != (theirs[n].numel, theirs[n].bytes_per_element)]
         if wrong:
             raise ConfigError(f"profile {profile.name!r}: sizes differ from the model for {wrong[:5]}")
-
-
-def unfrozen_message(names: list[str]) -> str:
-    """Why parameters frozen when gradsync attached, and trainable now, are refused."""
-    return (f"parameter(s) {names[:5]} were frozen when gradsync wrapped the model and train now: no rank would "
-            "average their gradients, so the replicas would drift apart; detach this runtime "
-            "(gradsync.runtime.attached(model).detach()) and wrap the model again once the parameters to train are "
-            "set")
 
 
 def _borrow(borrowers: dict, module_name: str, module: nn.Module, owner: str) -> None:

@@ -1,0 +1,241 @@
+"""Parameters frozen at wrap and unfrozen later (a backbone fine-tuned after its head, as Lightning's
+BackboneFinetuning does) join the plans at the next forward pass, every rank at the same one: trained
+beside torch DDP made again after the unfreezing (torch DDP made once would leave them out without a
+word); unfreezing that cannot be taken in is refused before any update."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import gradsync
+from gradsync import ConfigError
+from gradsync.errors import PeersTimedOut
+from gradsync.launch import run_local
+from gradsync.runtime import attached
+from launches import side_by_side
+from runtime_models import COST, WIDTH, refusal_and_change
+
+FROZEN_STEPS, TRAINED_STEPS = 2, 8  # the plans come after the calibration's 4 iterations, then 4 more steps
+
+
+class Backbone(nn.Module):
+    """Three layers of a backbone and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                                      nn.Linear(WIDTH, WIDTH))
+        self.head = nn.Linear(WIDTH, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def batch_loss(model, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    inputs = torch.randn(6, WIDTH, generator=generator)
+    return F.cross_entropy(model(inputs), torch.randint(0, 4, (6,), generator=generator))
+
+
+def optimizer_for(model: nn.Module, everything: bool) -> torch.optim.Optimizer:
+    """Momentum SGD over every parameter, or over the head alone (the backbone added at its unfreezing)."""
+    parameters = model.parameters() if everything else model.head.parameters()
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def unfreeze(model: nn.Module, optimizer, everything: bool) -> None:
+    model.backbone.requires_grad_(True)
+    if not everything:
+        optimizer.add_param_group({"params": list(model.backbone.parameters()), "lr": 0.05})
+
+
+def ranks_apart(model: nn.Module) -> float:
+    """The largest difference of a parameter between rank 0's model and rank 1's."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    torch.distributed.all_gather(gathered, flat)
+    return (gathered[0] - gathered[1]).abs().max().item()
+
+
+def wrapped_and_trained_frozen(rank: int, everything: bool = True, **options):
+    """A seeded Backbone wrapped with its backbone frozen (`scheduler="ddp"` unless `options` say
+    otherwise), trained `FROZEN_STEPS`; the model, the torch optimizer and gradsync's."""
+    torch.manual_seed(0)
+    model = Backbone()
+    model.backbone.requires_grad_(False)
+    optimizer = optimizer_for(model, everything)
+    model, synced = gradsync.wrap(model, optimizer, **{"scheduler": "ddp", "cost": COST, **options})
+    train(model, synced, rank, range(FROZEN_STEPS))
+    return model, optimizer, synced
+
+
+def train(model, optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        optimizer.zero_grad()
+        batch_loss(model, rank, step).backward()
+        optimizer.step()
+
+
+def frozen_then_trained(rank, world_size, scheduler, options, everything):
+    """The backbone frozen at wrap for `FROZEN_STEPS`, then unfrozen (before a forward pass) for
+    `TRAINED_STEPS`, under gradsync and under torch DDP made again at the unfreezing. Returns the
+    largest difference of their parameters, how far the backbone moved, the plans' tensors and
+    whether the plan of a measured profile came."""
+    torch.manual_seed(0)
+    reference = Backbone()
+    reference.backbone.requires_grad_(False)
+    model = Backbone()
+    model.load_state_dict(reference.state_dict())
+    model.backbone.requires_grad_(False)
+    start = model.backbone[0].weight.detach().clone()
+    model, optimizer = gradsync.wrap(model, optimizer_for(model, everything), scheduler=scheduler, cost=COST,
+                                     **options)
+    reference_optimizer = optimizer_for(reference, everything)
+    train(model, optimizer, rank, range(FROZEN_STEPS))
+    train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS))
+    unfreeze(model, optimizer, everything)
+    unfreeze(reference, reference_optimizer, everything)
+    train(model, optimizer, rank, range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS))
+    train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS))
+    sync = attached(model)
+    sync.flush()
+    apart = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    moved = (model.backbone[0].weight - start).abs().max().item()
+    planned = sorted({name for op in sync.plan.ops for name in op.tensors()})
+    measured = sync.measurement is None
+    sync.detach()
+    return apart, moved, planned, measured
+
+
+SCHEDULERS = [("ddp", {}), ("wfbp", {}), ("us_byte", {"partition_bytes": 256}), ("auto", {"plan_trials": 1})]
+
+
+@pytest.mark.parametrize("everything", [True, False], ids=["optimizer_over_all", "param_group_added"])
+def test_a_backbone_unfrozen_after_the_wrap_trains_as_under_torch_ddp_made_again(everything):
+    variants = [(scheduler, options, everything) for scheduler, options in SCHEDULERS]
+    for (scheduler, _, _), results in zip(variants, side_by_side(frozen_then_trained, *variants)):
+        for apart, moved, planned, measured in results:
+            assert apart < 1e-6, scheduler
+            assert moved > 1e-3, scheduler
+            assert "backbone.0.weight" in planned and "head.weight" in planned, scheduler
+            assert measured, scheduler
+
+
+def unfrozen_between_forward_and_step(rank, world_size):
+    """The backbone unfrozen after a forward pass, before its backward: that step is refused and
+    changes nothing; after optimizer.zero_grad() the next forward takes it in, and it trains alike
+    on both ranks. Returns the refusal, whether the refused step changed a parameter, the ranks'
+    parameters after two more steps and how far the backbone moved."""
+    model, _, optimizer = wrapped_and_trained_frozen(rank)
+    optimizer.zero_grad()
+    loss = batch_loss(model, rank, FROZEN_STEPS)
+    model.backbone.requires_grad_(True)  # the forward has run: its graph holds no backbone gradient
+    loss = loss + sum(p.sum() for p in model.backbone.parameters()) * 1e-3  # but this term has one
+    loss.backward()
+    refusal, changed = refusal_and_change(optimizer.step, model)
+    refusal = str(refusal)
+    start = model.backbone[0].weight.detach().clone()
+    train(model, optimizer, rank, range(FROZEN_STEPS + 1, FROZEN_STEPS + 3))
+    moved = (model.backbone[0].weight - start).abs().max().item()
+    apart = ranks_apart(model)
+    attached(model).detach()
+    return refusal, changed, apart, moved
+
+
+def test_a_backbone_unfrozen_between_the_forward_and_the_step_is_refused_then_joins_at_the_next_forward():
+    for refusal, changed, apart, moved in run_local(unfrozen_between_forward_and_step, 2):
+        assert "were unfrozen after this iteration's forward pass began" in refusal
+        assert "['backbone.0.weight', 'backbone.0.bias'," in refusal
+        assert not changed
+        assert apart == 0.0 and moved > 1e-3
+
+
+def unfrozen_apart(rank, world_size, which):
+    """Ranks that unfreeze differently: `which` "different" (rank 1 another layer), or "first" (rank 0
+    alone). Returns this rank's error type and message."""
+    model, _, optimizer = wrapped_and_trained_frozen(rank, timeout=3)
+    if which == "different":
+        model.backbone[2 * rank].requires_grad_(True)
+    elif rank == 0:
+        model.backbone.requires_grad_(True)
+    refusal, _ = refusal_and_change(lambda: train(model, optimizer, rank, range(FROZEN_STEPS, FROZEN_STEPS + 1)),
+                                    model)
+    attached(model)._release()
+    return type(refusal).__name__, str(refusal)
+
+
+def test_ranks_that_unfreeze_different_parameters_are_refused_on_every_rank_before_the_plans_change():
+    for error, message in run_local(unfrozen_apart, 2, "different"):
+        assert error == ConfigError.__name__
+        assert "ranks [1] have a different set of parameters unfrozen since the last plans were made" in message
+        assert "unfreeze the same parameters on every rank, before the same forward pass" in message
+
+
+def test_a_rank_that_unfreezes_alone_ends_in_peers_timed_out_naming_the_check():
+    """Its peer never enters the check: it times out there (3 s), and the peer's op, waiting for it,
+    fails too."""
+    (first_error, first_message), (second_error, _) = run_local(unfrozen_apart, 2, "first", timeout=60)
+    assert first_error == PeersTimedOut.__name__
+    assert "the check that every rank unfroze the same parameters" in first_message
+    assert second_error != type(None).__name__
+
+
+def unfrozen_under_a_compressor(rank, world_size, everything):
+    """Under ACP-SGD (its state is per tensor) the backbone is refused: at the step where the
+    optimizer held it already, at add_param_group otherwise; once detached and wrapped again, it
+    trains. Returns the error's type and message, whether a parameter changed, the optimizer's groups
+    after the refusal, then after two steps of the new wrap how far the ranks are apart and how far
+    the backbone moved."""
+    model, optimizer, synced = wrapped_and_trained_frozen(rank, everything, compressor="acp_sgd")
+    def unfreeze_and_train():
+        unfreeze(model, synced, everything)
+        train(model, synced, rank, range(FROZEN_STEPS, FROZEN_STEPS + 1))
+
+    refusal, changed = refusal_and_change(unfreeze_and_train, model)
+    groups = len(optimizer.param_groups)
+    attached(model).detach()
+    model.zero_grad()
+    start = model.backbone[0].weight.detach().clone()
+    model, synced = gradsync.wrap(model, optimizer, scheduler="ddp", cost=COST, compressor="acp_sgd")
+    if not everything:
+        unfreeze(model, synced, everything)
+    train(model, synced, rank, range(FROZEN_STEPS + 1, FROZEN_STEPS + 3))
+    moved = (model.backbone[0].weight - start).abs().max().item()
+    apart = ranks_apart(model)
+    attached(model).detach()
+    return type(refusal).__name__, str(refusal), changed, groups, apart, moved
+
+
+@pytest.mark.parametrize("everything, error", [(True, RuntimeError), (False, ConfigError)])
+def test_a_backbone_unfrozen_under_a_compressor_is_refused_before_any_update_and_trains_after_a_new_wrap(
+        everything, error):
+    for name, message, changed, groups, apart, moved in run_local(unfrozen_under_a_compressor, 2, everything):
+        assert name == error.__name__
+        assert "were frozen when gradsync attached and train now" in message and "without a compressor" in message
+        assert not changed
+        assert groups == 1  # a refused group is taken out of the optimizer again
+        assert apart == 0.0 and moved > 1e-3
+
+
+def unfrozen_between_two_backward_passes(rank, world_size):
+    """Two backward passes before one step (the second adds to the first's averages, as under DDP),
+    the backbone unfrozen between them: refused at the second forward; the step then applies the
+    first pass's averages, and the backbone joins at the next forward. Returns the refusal and the
+    ranks' parameters apart after two more steps."""
+    model, _, optimizer = wrapped_and_trained_frozen(rank)
+    optimizer.zero_grad()
+    batch_loss(model, rank, FROZEN_STEPS).backward()
+    model.backbone.requires_grad_(True)
+    refusal, _ = refusal_and_change(lambda: batch_loss(model, rank, FROZEN_STEPS + 1), model)
+    optimizer.step()
+    train(model, optimizer, rank, range(FROZEN_STEPS + 2, FROZEN_STEPS + 4))
+    apart = ranks_apart(model)
+    attached(model).detach()
+    return str(refusal), apart
+
+
+def test_a_backbone_unfrozen_between_two_backward_passes_of_a_step_is_refused_at_the_forward():
+    for refusal, apart in run_local(unfrozen_between_two_backward_passes, 2):
+        assert "were unfrozen between a backward pass and its optimizer.step()" in refusal
+        assert apart == 0.0
