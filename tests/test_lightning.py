@@ -27,7 +27,7 @@ from gradsync.cost import CostModel  # noqa: E402
 from gradsync.launch import run_local  # noqa: E402
 from gradsync.recipes.models import build  # noqa: E402
 from gradsync.strategies import GradSyncStrategy, strategy_entries  # noqa: E402
-from pytorch_lightning.callbacks import ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
+from pytorch_lightning.callbacks import BackboneFinetuning, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
@@ -164,12 +164,29 @@ class NormsAfterBackward(GradientNorms):
         self.record(pl_module)
 
 
-def batches():
-    """96 fixed samples, 8 per batch, in order (Lightning's DistributedSampler gives each rank 48)."""
+class BackboneClassifier(Classifier):
+    """A backbone and a head, for Lightning's BackboneFinetuning: the callback freezes the backbone
+    before the strategy attaches, and unfreezes it at an epoch's start (adding its parameter group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32))
+        self.net = torch.nn.Sequential(self.backbone, torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1, momentum=0.9)
+
+
+def batches(batch_size: int = 8, rank: int | None = None):
+    """96 fixed samples, 8 per batch, in order (Lightning's DistributedSampler gives each rank 48); or
+    `rank`'s half alone, the `rank`-th of each pair, in order: one device's batches of 16 are then
+    the two ranks' batches together."""
     generator = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(96, 16, generator=generator),
                                           torch.randint(0, 4, (96,), generator=generator))
-    return torch.utils.data.DataLoader(data, batch_size=8)
+    if rank is not None:
+        data = torch.utils.data.Subset(data, range(rank, 96, 2))
+    return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
 def trainer_for(strategy, root, **options):
@@ -211,7 +228,7 @@ def without_probes(name: str):
     return name if name == "ddp" else GradSyncStrategy(**StrategyRegistry[name]["init_params"], cost=GIVEN_COST)
 
 
-def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> dict:
+def fit(strategy, root, ckpt_path=None, model_class=Classifier, data=None, **options) -> dict:
     """Train a freshly seeded model; its final parameters and buffers, the metrics and the plans'
     op counts. Python's generator is seeded too: rank 0 draws the compressors' seed from it."""
     pl.seed_everything(0, verbose=False)
@@ -221,7 +238,7 @@ def fit(strategy, root, ckpt_path=None, model_class=Classifier, **options) -> di
     trainer = trainer_for(strategy, root, **options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, batches(), ckpt_path=ckpt_path)
+        trainer.fit(model, data or batches(), ckpt_path=ckpt_path)
     return {"params": flat(model), "progress_bar": {k: float(v) for k, v in trainer.progress_bar_metrics.items()},
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "ops": plan_ops.ops,
             "no_logger_warnings": [str(w.message) for w in caught if "but have no logger configured" in str(w.message)]}
@@ -317,6 +334,14 @@ def deferred_us_byte() -> GradSyncStrategy:
                             warmup_iterations=0, measure_iterations=1)
 
 
+def fit_backbone_finetuning(strategy, root, data, **options) -> dict:
+    """Three epochs of 6 steps over `data` as it is (no sampler of Lightning's), the backbone
+    unfrozen by BackboneFinetuning at the second."""
+    return fit(strategy, root, model_class=BackboneClassifier, data=data, max_steps=-1, max_epochs=3,
+               use_distributed_sampler=False, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+               **options)
+
+
 def fit_with_hook_callback(root, ckpt_path=None, callbacks=(), **options) -> dict:
     """Lightning's own `ddp` with gradsync's communication hook registered by the CompressionHook
     callback (on the CPU too), acp_sgd: the parameters and the steps the hook synchronised; under
@@ -367,6 +392,9 @@ def all_runs(rank, world_size, root):
     results["gan/ddp"] = attempt(lambda: fit("ddp_find_unused_parameters_true", root, model_class=GANModule))
     for name in ("wfbp", "us_byte"):
         results[f"gan/{name}"] = attempt(lambda: fit(without_probes(name), root, model_class=GANModule))
+    for name in ("wfbp", "us_byte", "gradsync_auto"):
+        results[f"backbone/{name}"] = attempt(lambda: fit_backbone_finetuning(without_probes(name), root,
+                                                                              batches(rank=rank)))
     results["swa/ddp"] = attempt(lambda: fit_averaging_weights("ddp", root))
     results["swa/us_byte"] = attempt(lambda: fit_averaging_weights(deferred_us_byte(), root))
     results["fp16/acp_sgd"] = attempt(lambda: fit_following_the_scale(root))
@@ -391,6 +419,15 @@ def params(run) -> torch.Tensor:
 
 def distance(a, b) -> float:
     return (params(a) - params(b)).abs().max().item()
+
+
+def named_state(run, model_class) -> dict[str, torch.Tensor]:
+    """A run's parameters and buffers (``flat``) by their state_dict names in a `model_class`."""
+    values, state, offset = params(run), {}, 0
+    for name, tensor in model_class().state_dict().items():
+        state[name] = values[offset:offset + tensor.numel()].view(tensor.shape).float()
+        offset += tensor.numel()
+    return state
 
 
 # -- registration (no ranks) -------------------------------------------------------------------------
@@ -578,6 +615,21 @@ def test_weight_averaging_sees_and_keeps_the_updates_deferred_to_the_next_forwar
     for rank in (0, 1):
         assert distance(ranks[rank]["swa/us_byte"], ranks[rank]["swa/ddp"]) < TOLERANCE
     assert distance(ranks[0]["swa/ddp"], ranks[0]["ddp"]) > TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["wfbp", "us_byte", "gradsync_auto"])
+def test_a_backbone_unfrozen_by_backbone_finetuning_trains_as_on_one_device_with_both_ranks_batches(
+        ranks, name, tmp_path):
+    """The callback freezes the backbone before the strategy attaches and unfreezes it at the second
+    epoch: the runtime takes it in at the next forward, every rank alike (Lightning's own ddp leaves
+    it out, each rank training its own). One device, each batch the two ranks' batches together,
+    takes the same averaged gradients."""
+    reference = fit_backbone_finetuning("auto", tmp_path, batches(16), devices=1)
+    torch.manual_seed(0)
+    start = BackboneClassifier().backbone[0].weight
+    assert (named_state(reference, BackboneClassifier)["backbone.0.weight"] - start).abs().max() > TOLERANCE
+    for rank in (0, 1):
+        assert distance(ranks[rank][f"backbone/{name}"], reference) < TOLERANCE
 
 
 def test_manual_optimization_matches_ddp(ranks):
