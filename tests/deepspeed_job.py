@@ -19,7 +19,8 @@
 6. fp16 under ZeRO stage 2 with overflowing first steps, and at stage 0 with an overflowing batch,
    beside DeepSpeed's own run;
 7. a layer that no rank uses on every other step, SGD with momentum and weight decay, at stage 0 in
-   fp32 (where the user's optimizer steps it), beside DeepSpeed's own run.
+   fp32 (where the user's optimizer steps it), beside DeepSpeed's own run;
+8. a layer frozen at ``deepspeed.initialize`` and unfrozen later, refused at the step.
 Every engine comes from plain ``deepspeed.initialize``, with gradsync imported after deepspeed.
 On the CPU, DeepSpeed's communication backend starts without its shared-memory op (see
 ``without_shared_memory_op``).
@@ -412,6 +413,28 @@ def unused_layer_against_deepspeed(rank: int, cost_path: str) -> dict:
             for scheduler in ("wfbp", "us_byte")}
 
 
+def unfrozen_layer_refused(rank: int, cost_path: str) -> dict:
+    """mlp's first layer frozen at ``deepspeed.initialize`` (the optimizer holding every parameter),
+    two steps, then unfrozen: the next step is refused, naming it, and changes no parameter."""
+    config = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_clipping": 0.0, **QUIET,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}}, "gradsync": {"scheduler": "wfbp", "cost": cost_path}}
+    model = mlp()
+    model[0].requires_grad_(False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for step in range(2):
+        micro_step(engine, rank, step)
+    model[0].requires_grad_(True)
+    before = flat(engine.module)
+    try:
+        micro_step(engine, rank, 2)
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    changed = not torch.equal(before, flat(engine.module))
+    engine.destroy()
+    return {"refusal": refusal, "changed": changed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -466,7 +489,8 @@ def cpu_runs(rank: int, cost_path: Path, out: Path) -> dict:
             "nan_zero2": nan_under_zero_against_deepspeed(rank, cost),
             "coalesced": coalesced_against_marked_boundaries(rank, cost),
             **{key: fp16_against_deepspeed(rank, cost, stage) for key, stage in FP16_RUNS.items()},
-            "unused_layer": unused_layer_against_deepspeed(rank, cost)}
+            "unused_layer": unused_layer_against_deepspeed(rank, cost),
+            "unfrozen_layer": unfrozen_layer_refused(rank, cost)}
 
 
 if __name__ == "__main__":

@@ -417,6 +417,14 @@ def test_a_layer_no_rank_uses_gets_zeros_as_under_deepspeeds_all_reduce(two_rank
     assert two_rank_job["unused_layer"] == {"wfbp": pytest.approx(0, abs=1e-6), "us_byte": pytest.approx(0, abs=1e-6)}
 
 
+def test_a_layer_frozen_at_initialize_and_unfrozen_later_is_refused_at_the_step(two_rank_job):
+    """DeepSpeed's optimizers hold the parameters trainable at initialize: gradsync takes in no other."""
+    result = two_rank_job["unfrozen_layer"]
+    assert "['0.weight', '0.bias'] were frozen when gradsync attached and train now" in result["refusal"]
+    assert "outside DeepSpeed" in result["refusal"]
+    assert not result["changed"]
+
+
 def skipped_as_deepspeed_skips(fp16: dict, run: str) -> None:
     """fp16 under ZeRO-2, whose first steps overflow (loss scale 2^20), or at stage 0 under
     DeepSpeed's fp16 optimizer, where one batch overflows: DeepSpeed's loss scaler sees gradsync's
