@@ -392,7 +392,7 @@ def all_runs(rank, world_size, root):
     results["gan/ddp"] = attempt(lambda: fit("ddp_find_unused_parameters_true", root, model_class=GANModule))
     for name in ("wfbp", "us_byte"):
         results[f"gan/{name}"] = attempt(lambda: fit(without_probes(name), root, model_class=GANModule))
-    for name in ("wfbp", "us_byte", "gradsync_auto"):
+    for name in ("wfbp", "us_byte", "gradsync_auto", "acp_sgd"):
         results[f"backbone/{name}"] = attempt(lambda: fit_backbone_finetuning(without_probes(name), root,
                                                                               batches(rank=rank)))
     results["swa/ddp"] = attempt(lambda: fit_averaging_weights("ddp", root))
@@ -421,13 +421,16 @@ def distance(a, b) -> float:
     return (params(a) - params(b)).abs().max().item()
 
 
-def named_state(run, model_class) -> dict[str, torch.Tensor]:
-    """A run's parameters and buffers (``flat``) by their state_dict names in a `model_class`."""
-    values, state, offset = params(run), {}, 0
-    for name, tensor in model_class().state_dict().items():
-        state[name] = values[offset:offset + tensor.numel()].view(tensor.shape).float()
+def backbone_moved(run) -> float:
+    """How far a BackboneClassifier run moved its backbone's first weight from the seeded start."""
+    torch.manual_seed(0)
+    start = BackboneClassifier().backbone[0].weight.detach().double().reshape(-1)
+    values, offset = params(run), 0
+    for name, tensor in BackboneClassifier().state_dict().items():  # `flat`'s order
+        if name == "backbone.0.weight":
+            return (values[offset:offset + tensor.numel()] - start).abs().max().item()
         offset += tensor.numel()
-    return state
+    raise KeyError("backbone.0.weight")
 
 
 # -- registration (no ranks) -------------------------------------------------------------------------
@@ -625,11 +628,15 @@ def test_a_backbone_unfrozen_by_backbone_finetuning_trains_as_on_one_device_with
     it out, each rank training its own). One device, each batch the two ranks' batches together,
     takes the same averaged gradients."""
     reference = fit_backbone_finetuning("auto", tmp_path, batches(16), devices=1)
-    torch.manual_seed(0)
-    start = BackboneClassifier().backbone[0].weight
-    assert (named_state(reference, BackboneClassifier)["backbone.0.weight"] - start).abs().max() > TOLERANCE
+    assert backbone_moved(reference) > TOLERANCE
     for rank in (0, 1):
         assert distance(ranks[rank][f"backbone/{name}"], reference) < TOLERANCE
+
+
+def test_a_backbone_unfrozen_by_backbone_finetuning_trains_under_acp_sgd_with_the_replicas_equal(ranks):
+    """The codec keeps the head's state and starts the backbone's (``Codec.take_in``)."""
+    assert backbone_moved(ranks[0]["backbone/acp_sgd"]) > TOLERANCE
+    assert distance(ranks[0]["backbone/acp_sgd"], ranks[1]["backbone/acp_sgd"]) == 0
 
 
 def test_manual_optimization_matches_ddp(ranks):

@@ -94,18 +94,19 @@ def test_bad_optimizer_lists_are_refused_before_any_collective(given, message):
 
 def added_twice(rank, world_size):
     """A parameter group added to the generator's optimizer with the discriminator's parameters:
-    the error, and whether the optimizers still step."""
+    the error, and the generator's optimizer's groups after it."""
     gan = GAN()
     _, (g_optimizer, _) = gradsync.wrap(gan, gan_optimizers(gan), scheduler="wfbp", cost=COST)
     try:
         g_optimizer.add_param_group({"params": list(gan.discriminator.parameters())})
     except ConfigError as error:
-        return str(error)
+        return str(error), len(g_optimizer.param_groups)
     finally:
         attached(gan).detach()
-    return None
+    return None, len(g_optimizer.param_groups)
 
 
-def test_a_parameter_group_that_another_optimizer_updates_is_refused():
-    for message in side_by_side(added_twice, ())[0]:
+def test_a_parameter_group_that_another_optimizer_updates_is_refused_and_taken_out_again():
+    for message, groups in side_by_side(added_twice, ())[0]:
         assert message is not None and "updated by two optimizers" in message and "discriminator.0.weight" in message
+        assert groups == 1

@@ -1,7 +1,10 @@
 """Parameters frozen at wrap and unfrozen later (a backbone fine-tuned after its head, as Lightning's
 BackboneFinetuning does) join the plans at the next forward pass, every rank at the same one: trained
 beside torch DDP made again after the unfreezing (torch DDP made once would leave them out without a
-word); unfreezing that cannot be taken in is refused before any update."""
+word); a compressor keeps the earlier tensors' state; unfreezing that cannot be taken in is refused
+before any update."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,24 +12,27 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
+from gradsync import compress
 from gradsync import ConfigError
 from gradsync.errors import PeersTimedOut
 from gradsync.launch import run_local
+from gradsync.profile import TensorSpec
 from gradsync.runtime import attached
 from launches import side_by_side
-from runtime_models import COST, WIDTH, refusal_and_change
+from runtime_models import COST, refusal_and_change
 
+WIDTH = 32  # a low-rank codec compresses the backbone's 32×32 weights at rank 4
 FROZEN_STEPS, TRAINED_STEPS = 2, 8  # the plans come after the calibration's 4 iterations, then 4 more steps
 
 
 class Backbone(nn.Module):
-    """Three layers of a backbone and a head."""
+    """Three layers of a backbone and a head (the loss takes 4 of its outputs as classes)."""
 
     def __init__(self):
         super().__init__()
         self.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
                                       nn.Linear(WIDTH, WIDTH))
-        self.head = nn.Linear(WIDTH, 4)
+        self.head = nn.Linear(WIDTH, WIDTH)  # its weight compressed too: it has state when the backbone joins
 
     def forward(self, x):
         return self.head(torch.tanh(self.backbone(x)))
@@ -35,7 +41,7 @@ class Backbone(nn.Module):
 def batch_loss(model, rank: int, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * rank + step)
     inputs = torch.randn(6, WIDTH, generator=generator)
-    return F.cross_entropy(model(inputs), torch.randint(0, 4, (6,), generator=generator))
+    return F.cross_entropy(model(inputs)[:, :4], torch.randint(0, 4, (6,), generator=generator))
 
 
 def optimizer_for(model: nn.Module, everything: bool) -> torch.optim.Optimizer:
@@ -96,8 +102,9 @@ def frozen_then_trained(rank, world_size, scheduler, options, everything):
     train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS))
     unfreeze(model, optimizer, everything)
     unfreeze(reference, reference_optimizer, everything)
-    train(model, optimizer, rank, range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS))
-    train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS))
+    trained_steps = range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS)
+    train(model, optimizer, rank, trained_steps)
+    train(DistributedDataParallel(reference), reference_optimizer, rank, trained_steps)
     sync = attached(model)
     sync.flush()
     apart = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
@@ -181,41 +188,88 @@ def test_a_rank_that_unfreezes_alone_ends_in_peers_timed_out_naming_the_check():
     assert second_error != type(None).__name__
 
 
-def unfrozen_under_a_compressor(rank, world_size, everything):
-    """Under ACP-SGD (its state is per tensor) the backbone is refused: at the step where the
-    optimizer held it already, at add_param_group otherwise; once detached and wrapped again, it
-    trains. Returns the error's type and message, whether a parameter changed, the optimizer's groups
-    after the refusal, then after two steps of the new wrap how far the ranks are apart and how far
-    the backbone moved."""
-    model, optimizer, synced = wrapped_and_trained_frozen(rank, everything, compressor="acp_sgd")
-    def unfreeze_and_train():
-        unfreeze(model, synced, everything)
-        train(model, synced, rank, range(FROZEN_STEPS, FROZEN_STEPS + 1))
+def head_state(codec) -> dict:
+    """The codec's state of the head's tensors, each flat: shared factors and this rank's error
+    feedback (a pair of factors concatenated)."""
+    shared, per_rank = codec.state_dict()
+    return {(part, key, name): torch.cat([t.reshape(-1) for t in (value if isinstance(value, tuple) else (value,))])
+            for part, state in (("shared", shared), ("rank", per_rank))
+            for key, entries in state.items() if isinstance(entries, dict)
+            for name, value in entries.items() if name.startswith("head.")}
 
-    refusal, changed = refusal_and_change(unfreeze_and_train, model)
-    groups = len(optimizer.param_groups)
-    attached(model).detach()
-    model.zero_grad()
+
+def unfrozen_under_a_compressor(rank, world_size, compressor):
+    """The backbone unfrozen under `compressor`: the codec keeps the head's state as the backbone
+    joins; after 4 steps the state is saved, and a run resumed from it (a new wrap, the backbone
+    frozen, then unfrozen before the load) ends where the straight one does 3 steps later. Returns
+    whether the head's state was kept, whether the backbone's state was saved, how far the ranks
+    are apart, how far the backbone moved and the resumed run's difference to the straight one."""
+    model, _, synced = wrapped_and_trained_frozen(rank, compressor=compressor)
+    codec = attached(model).codec
+    before = head_state(codec)
+    unfreeze(model, synced, True)
+    with torch.no_grad():
+        model(torch.zeros(1, WIDTH))  # the forward pass that takes the backbone in
+    after = head_state(codec)
+    kept = bool(before) and before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     start = model.backbone[0].weight.detach().clone()
-    model, synced = gradsync.wrap(model, optimizer, scheduler="ddp", cost=COST, compressor="acp_sgd")
-    if not everything:
-        unfreeze(model, synced, everything)
-    train(model, synced, rank, range(FROZEN_STEPS + 1, FROZEN_STEPS + 3))
+    train(model, synced, rank, range(FROZEN_STEPS, FROZEN_STEPS + 4))
+    saved_model, saved_state = copy.deepcopy(model.state_dict()), copy.deepcopy(synced.state_dict())
+    state = saved_state["gradsync"]
+    backbone_saved = any(name.startswith("backbone.") for part in (state["shared"], *state["per_rank"])
+                         for entries in part.values() if isinstance(entries, dict) for name in entries)
+    resumed_steps = range(FROZEN_STEPS + 4, FROZEN_STEPS + 7)
+    train(model, synced, rank, resumed_steps)
+    straight = [p.detach().clone() for p in model.parameters()]
     moved = (model.backbone[0].weight - start).abs().max().item()
     apart = ranks_apart(model)
     attached(model).detach()
-    return type(refusal).__name__, str(refusal), changed, groups, apart, moved
+
+    resumed = Backbone()
+    resumed.load_state_dict(saved_model)
+    resumed.backbone.requires_grad_(False)
+    optimizer = optimizer_for(resumed, True)
+    resumed, synced = gradsync.wrap(resumed, optimizer, scheduler="ddp", cost=COST, compressor=compressor)
+    unfreeze(resumed, synced, True)
+    synced.load_state_dict(saved_state)
+    train(resumed, synced, rank, resumed_steps)
+    resumed_apart = max((a - b).abs().max().item() for a, b in zip(resumed.parameters(), straight))
+    attached(resumed).detach()
+    return kept, backbone_saved, apart, moved, resumed_apart
 
 
-@pytest.mark.parametrize("everything, error", [(True, RuntimeError), (False, ConfigError)])
-def test_a_backbone_unfrozen_under_a_compressor_is_refused_before_any_update_and_trains_after_a_new_wrap(
-        everything, error):
-    for name, message, changed, groups, apart, moved in run_local(unfrozen_under_a_compressor, 2, everything):
-        assert name == error.__name__
-        assert "were frozen when gradsync attached and train now" in message and "without a compressor" in message
-        assert not changed
-        assert groups == 1  # a refused group is taken out of the optimizer again
-        assert apart == 0.0 and moved > 1e-3
+def test_a_backbone_unfrozen_under_a_compressor_joins_its_state_and_resumes_exactly():
+    compressors = ("acp_sgd", "powersgd", "topk")
+    for compressor, results in zip(compressors, side_by_side(unfrozen_under_a_compressor,
+                                                             *[(name,) for name in compressors])):
+        for kept, backbone_saved, apart, moved, resumed_apart in results:
+            assert kept and backbone_saved, compressor
+            assert apart == 0.0 and moved > 1e-3, compressor
+            assert resumed_apart == 0.0, compressor
+
+
+@pytest.mark.parametrize("name", compress.names())
+def test_every_codec_takes_in_new_tensors_keeping_the_state_of_the_earlier_ones(name):
+    """No ranks: each registered codec set up for the head, then taking in the backbone; its shared
+    state (a low-rank codec's initial factors) of the head is kept, the backbone's equals what a
+    codec set up for both from the same seed starts with."""
+    specs = {tensor: TensorSpec(tensor, WIDTH * WIDTH, 4, (WIDTH, WIDTH))
+             for tensor in ("backbone.weight", "head.weight")}
+    codec = compress.get(name)
+    codec.setup({"head.weight": specs["head.weight"]}, 2, seed=7)
+    before, _ = codec.state_dict()
+    codec.take_in(specs)
+    after, _ = codec.state_dict()
+    both = compress.get(name)
+    both.setup(specs, 2, seed=7)
+    fresh, _ = both.state_dict()
+    assert codec.specs == specs
+    assert after.keys() == fresh.keys()
+    for key, entries in after.items():
+        if isinstance(entries, dict) and entries and isinstance(next(iter(entries.values())), torch.Tensor):
+            assert entries.keys() == fresh[key].keys()
+            assert torch.equal(entries["head.weight"], before[key]["head.weight"]), key
+            assert torch.equal(entries["backbone.weight"], fresh[key]["backbone.weight"]), key
 
 
 def unfrozen_between_two_backward_passes(rank, world_size):

@@ -37,6 +37,16 @@ class Codec:
         """
         self.specs = dict(specs)
         self.world_size = world_size
+        self.seed = seed
+
+    def take_in(self, specs: Mapping[str, TensorSpec]) -> None:
+        """Set up for `specs`: the tensors set up so far and more (parameters unfrozen since). Each
+        earlier tensor keeps its state; each new one starts as `setup` starts it, from the same seed
+        (alike on every rank), without error feedback yet."""
+        shared, per_rank = self.state_dict()
+        self.setup(specs, self.world_size, self.seed)
+        fresh, _ = self.state_dict()
+        self.load_state_dict(_kept_over(fresh, shared), per_rank)
 
     def settings(self) -> dict:
         """Every option it was built with: the ranks' codecs must agree on all of them (wrap
@@ -139,6 +149,16 @@ class Codec:
 
     def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
         """Restore what `state_dict` returned; `per_rank` is this rank's part (None if none)."""
+
+
+def _kept_over(fresh: dict, saved: dict) -> dict:
+    """`saved` over `fresh`: within each mapping by tensor name (a low-rank codec's factors), the
+    saved tensors' entries over the fresh ones, which the new tensors alone keep."""
+    kept = {**fresh, **saved}
+    for key, entries in saved.items():
+        if isinstance(entries, dict) and isinstance(fresh.get(key), dict):
+            kept[key] = {**fresh[key], **entries}
+    return kept
 
 
 SPEC = CodecSpec(Codec, "no compression: gradients travel as they are", strategy=False)

@@ -69,9 +69,9 @@ class GradSync:
         self.channels = channels
         self.codec = installed.codec
         self.clock = IterationClock()
-        # a parameter frozen at wrap that trains later joins the plans (`_take_in_unfrozen`): not with a
-        # codec's state per tensor, nor with a partition fixed at the attach
-        self.takes_unfrozen = takes_unfrozen and self.codec.name == Codec.name and installed.partition is None
+        # a parameter frozen at wrap that trains later joins the plans (`_take_in_unfrozen`), not where a
+        # partition was fixed at the attach
+        self.takes_unfrozen = takes_unfrozen and installed.partition is None
         self.buffers_from_first = FirstRankValues(channels.process_group) if broadcast_buffers else None
         # the modules holding buffers at wrap time, as torch DDP lists them once: the model is not
         # walked again each iteration (a buffer a module holds is re-read, so a replaced one is sent)
@@ -438,10 +438,7 @@ class GradSync:
             self.clock.wait(self.executor, self.executor.wait_all)
 
     def _root_pre_forward(self, _module, _inputs) -> None:
-        if self.takes_unfrozen and self.table.frozen:
-            unfrozen = self.table.unfrozen()
-            if unfrozen:
-                self._take_in_unfrozen(unfrozen)
+        self._take_in_any_unfrozen()
         self.ran_forward.clear()
         self.clock.forward_begins()
         if self.outputs_await_accumulators and self.output_start.can_prepare():
@@ -630,9 +627,15 @@ class GradSync:
                         "own, not a method calling its layers); call optimizer.zero_grad() and run the step again")
         raise error(f"parameter(s) {unfrozen[:5]} were frozen when gradsync attached and train now: no rank averages "
                     "their gradients, so the replicas would drift apart. Parameters unfrozen later join the plans "
-                    "only without a compressor (its state is per tensor) and outside DeepSpeed: detach this runtime "
-                    "(gradsync.runtime.attached(model).detach()) and wrap the model again once the parameters to "
-                    "train are set")
+                    "only outside DeepSpeed (whose optimizers hold the parameters trainable at initialize): "
+                    "initialize again once the parameters to train are set")
+
+    def _take_in_any_unfrozen(self) -> None:
+        """Take in the parameters unfrozen since the table was made, if any and if the runtime takes them."""
+        if self.takes_unfrozen and self.table.frozen:
+            unfrozen = self.table.unfrozen()
+            if unfrozen:
+                self._take_in_unfrozen(unfrozen)
 
     def _take_in_unfrozen(self, names: list[str]) -> None:
         """Parameters frozen when the table was made train now (`names`: a backbone unfrozen for
@@ -642,7 +645,8 @@ class GradSync:
         1. Every launched op lands and every deferred update is applied (``flush``).
         2. Every rank checks that the others unfroze the same parameters (a collective: every rank
            unfreezes them before the same forward pass).
-        3. A new table of the trainable parameters; the profile is measured again over the next
+        3. A new table of the trainable parameters; the codec keeps each earlier tensor's state and
+           starts the new ones (``Codec.take_in``); the profile is measured again over the next
            iterations, then planned on the cost in force, as at wrap (``InstalledPlans.for_table``).
         4. The hooks move to the new table's parameters and modules; the optimizer is checked again."""
         if self.gradients_held:
@@ -656,8 +660,7 @@ class GradSync:
                                     "unfreeze the same parameters on every rank, before the same forward pass",
                                     self.channels.process_group)
         table = ParameterTable.of(self.model)
-        self.codec.setup({name: table.tensor_spec(name) for name in table.parameters}, self.channels.world_size,
-                         seed=0)  # the identity codec keeps no state the ranks share
+        self.codec.take_in({name: table.tensor_spec(name) for name in table.parameters})
         installed = self.installed.for_table(table, type(self.model).__name__)
         optimizer = self.deferred.optimizer
         self._drop_table_hooks()
@@ -745,7 +748,10 @@ class GradSync:
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict`'s result. A checkpoint of a run whose compressor kept no state (no
         compression) starts this run's compressor afresh, as one without gradsync's state does; one
-        holding another compressor's state is refused, as that state would be lost."""
+        holding another compressor's state is refused, as that state would be lost. Parameters
+        unfrozen since the last plans join them first (`_take_in_unfrozen`): the checkpoint may hold
+        their state."""
+        self._take_in_any_unfrozen()
         self.flush()
         if state["codec"] != self.codec.name:
             if not state["shared"] and state["per_rank"] is None:
