@@ -134,3 +134,40 @@ def gan_rounds(model, gan: GAN, g_optimizer, d_optimizer, numbers: torch.Generat
         F.softplus(-model(noise)).mean().backward()
         g_optimizer.step()
         gan.discriminator.requires_grad_(True)
+
+
+BACKBONE_WIDTH = 32  # a low-rank codec compresses the 32×32 weights at rank 4
+
+
+class Backbone(nn.Module):
+    """Three layers of a backbone and a head (the loss takes 4 of its outputs as classes): a backbone
+    frozen at wrap and unfrozen later."""
+
+    def __init__(self):
+        super().__init__()
+        width = BACKBONE_WIDTH
+        self.backbone = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                                      nn.Linear(width, width))
+        self.head = nn.Linear(width, width)  # its weight compressed too: it has state when the backbone joins
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def backbone_loss(model, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    inputs = torch.randn(6, BACKBONE_WIDTH, generator=generator)
+    return F.cross_entropy(model(inputs)[:, :4], torch.randint(0, 4, (6,), generator=generator))
+
+
+def backbone_optimizer(model: nn.Module, everything: bool) -> torch.optim.Optimizer:
+    """Momentum SGD over every parameter, or over the head alone (the backbone added at its unfreezing)."""
+    parameters = model.parameters() if everything else model.head.parameters()
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def unfreeze_backbone(model: nn.Module, optimizer, everything: bool) -> None:
+    """The backbone trains from now on; added to `optimizer` as a group unless it held it already."""
+    model.backbone.requires_grad_(True)
+    if not everything:
+        optimizer.add_param_group({"params": list(model.backbone.parameters()), "lr": 0.05})

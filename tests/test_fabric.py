@@ -1,6 +1,8 @@
 """Lightning Fabric with gradsync's strategies: ``Fabric(strategy=<name>)`` on 2 gloo ranks, against
 Fabric's own DDP (with gradient accumulation through ``fabric.no_backward_sync`` and clipping through
-``fabric.clip_gradients``; and a GAN's two optimizers)."""
+``fabric.clip_gradients``; and a GAN's two optimizers), and a backbone unfrozen after fabric.setup
+against torch DDP made again at the unfreezing."""
+import copy
 import os
 
 import pytest
@@ -8,12 +10,14 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 import gradsync  # noqa: F401  (registers the strategy names)
 from gradsync import ConfigError
 from gradsync.launch import run_local
 from gradsync.strategies import GradSyncFabricStrategy
-from runtime_models import GAN, gan_optimizers, gan_rounds
+from runtime_models import (GAN, Backbone, backbone_loss, backbone_optimizer, gan_optimizers, gan_rounds,
+                            unfreeze_backbone)
 
 STEPS = 8  # every other step accumulates: 4 optimizer steps
 
@@ -48,6 +52,32 @@ def train(fabric: Fabric, rank: int) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
+def unfrozen_beside_ddp_made_again(rank: int, world_size: int) -> float:
+    """A backbone frozen at fabric.setup and unfrozen after two steps (its group added to Fabric's
+    optimizer), trained under gradsync's wfbp and under torch DDP made again at the unfreezing: the
+    largest difference of their parameters."""
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="wfbp")
+    fabric.launch()
+    torch.manual_seed(0)
+    net = Backbone()
+    net.backbone.requires_grad_(False)
+    reference = copy.deepcopy(net)
+    module, optimizer = fabric.setup(net, backbone_optimizer(net, everything=False))
+    reference_optimizer = backbone_optimizer(reference, everything=False)
+    for step in range(10):
+        if step == 2:
+            unfreeze_backbone(net, optimizer, everything=False)
+            unfreeze_backbone(reference, reference_optimizer, everything=False)
+        if step in (0, 2):
+            ddp = DistributedDataParallel(reference)
+        for model, stepper, backward in ((module, optimizer, fabric.backward),
+                                         (ddp, reference_optimizer, torch.Tensor.backward)):
+            stepper.zero_grad()
+            backward(backbone_loss(model, rank, step))
+            stepper.step()
+    return max((a - b).abs().max().item() for a, b in zip(net.parameters(), reference.parameters()))
+
+
 def fabric_runs(rank, world_size):
     os.environ["LOCAL_RANK"] = str(rank)  # processes created outside Fabric: it launches none
     results = {}
@@ -68,6 +98,7 @@ def fabric_runs(rank, world_size):
         module, g_optimizer, d_optimizer = fabric.setup(gan, *gan_optimizers(gan))
         gan_rounds(module, gan, g_optimizer, d_optimizer, torch.Generator().manual_seed(rank), 4, freeze=True)
         results[label] = {"params": torch.cat([p.detach().reshape(-1) for p in gan.parameters()]).tolist()}
+    results["unfrozen/wfbp"] = unfrozen_beside_ddp_made_again(rank, world_size)
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy="wfbp")
     fabric.launch()
     try:
@@ -90,6 +121,8 @@ def test_fabric_strategies_train_like_fabrics_ddp_with_accumulation():
         # a GAN's two optimizers in one fabric.setup, as under Fabric's DDP
         gan, gan_reference = (torch.tensor(results[f"gan/{name}"]["params"]) for name in ("wfbp", "ddp"))
         assert (gan - gan_reference).abs().max() < 1e-6
+        # a backbone frozen at fabric.setup and unfrozen later joins the plans
+        assert results["unfrozen/wfbp"] < 1e-6
 
 
 def test_bad_fabric_strategy_arguments_are_refused_before_launch():

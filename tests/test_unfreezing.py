@@ -7,53 +7,20 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradsync
-from gradsync import compress
-from gradsync import ConfigError
+from gradsync import ConfigError, compress
 from gradsync.errors import PeersTimedOut
 from gradsync.launch import run_local
 from gradsync.profile import TensorSpec
 from gradsync.runtime import attached
 from launches import side_by_side
-from runtime_models import COST, refusal_and_change
+from runtime_models import (BACKBONE_WIDTH, COST, Backbone, backbone_loss, backbone_optimizer, refusal_and_change,
+                            unfreeze_backbone)
 
-WIDTH = 32  # a low-rank codec compresses the backbone's 32×32 weights at rank 4
 FROZEN_STEPS, TRAINED_STEPS = 2, 8  # the plans come after the calibration's 4 iterations, then 4 more steps
-
-
-class Backbone(nn.Module):
-    """Three layers of a backbone and a head (the loss takes 4 of its outputs as classes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.backbone = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
-                                      nn.Linear(WIDTH, WIDTH))
-        self.head = nn.Linear(WIDTH, WIDTH)  # its weight compressed too: it has state when the backbone joins
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.backbone(x)))
-
-
-def batch_loss(model, rank: int, step: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(100 * rank + step)
-    inputs = torch.randn(6, WIDTH, generator=generator)
-    return F.cross_entropy(model(inputs)[:, :4], torch.randint(0, 4, (6,), generator=generator))
-
-
-def optimizer_for(model: nn.Module, everything: bool) -> torch.optim.Optimizer:
-    """Momentum SGD over every parameter, or over the head alone (the backbone added at its unfreezing)."""
-    parameters = model.parameters() if everything else model.head.parameters()
-    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
-
-
-def unfreeze(model: nn.Module, optimizer, everything: bool) -> None:
-    model.backbone.requires_grad_(True)
-    if not everything:
-        optimizer.add_param_group({"params": list(model.backbone.parameters()), "lr": 0.05})
 
 
 def ranks_apart(model: nn.Module) -> float:
@@ -70,7 +37,7 @@ def wrapped_and_trained_frozen(rank: int, everything: bool = True, **options):
     torch.manual_seed(0)
     model = Backbone()
     model.backbone.requires_grad_(False)
-    optimizer = optimizer_for(model, everything)
+    optimizer = backbone_optimizer(model, everything)
     model, synced = gradsync.wrap(model, optimizer, **{"scheduler": "ddp", "cost": COST, **options})
     train(model, synced, rank, range(FROZEN_STEPS))
     return model, optimizer, synced
@@ -79,7 +46,7 @@ def wrapped_and_trained_frozen(rank: int, everything: bool = True, **options):
 def train(model, optimizer, rank: int, steps: range) -> None:
     for step in steps:
         optimizer.zero_grad()
-        batch_loss(model, rank, step).backward()
+        backbone_loss(model, rank, step).backward()
         optimizer.step()
 
 
@@ -95,13 +62,13 @@ def frozen_then_trained(rank, world_size, scheduler, options, everything):
     model.load_state_dict(reference.state_dict())
     model.backbone.requires_grad_(False)
     start = model.backbone[0].weight.detach().clone()
-    model, optimizer = gradsync.wrap(model, optimizer_for(model, everything), scheduler=scheduler, cost=COST,
+    model, optimizer = gradsync.wrap(model, backbone_optimizer(model, everything), scheduler=scheduler, cost=COST,
                                      **options)
-    reference_optimizer = optimizer_for(reference, everything)
+    reference_optimizer = backbone_optimizer(reference, everything)
     train(model, optimizer, rank, range(FROZEN_STEPS))
     train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS))
-    unfreeze(model, optimizer, everything)
-    unfreeze(reference, reference_optimizer, everything)
+    unfreeze_backbone(model, optimizer, everything)
+    unfreeze_backbone(reference, reference_optimizer, everything)
     trained_steps = range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS)
     train(model, optimizer, rank, trained_steps)
     train(DistributedDataParallel(reference), reference_optimizer, rank, trained_steps)
@@ -136,7 +103,7 @@ def unfrozen_between_forward_and_step(rank, world_size):
     parameters after two more steps and how far the backbone moved."""
     model, _, optimizer = wrapped_and_trained_frozen(rank)
     optimizer.zero_grad()
-    loss = batch_loss(model, rank, FROZEN_STEPS)
+    loss = backbone_loss(model, rank, FROZEN_STEPS)
     model.backbone.requires_grad_(True)  # the forward has run: its graph holds no backbone gradient
     loss = loss + sum(p.sum() for p in model.backbone.parameters()) * 1e-3  # but this term has one
     loss.backward()
@@ -207,9 +174,9 @@ def unfrozen_under_a_compressor(rank, world_size, compressor):
     model, _, synced = wrapped_and_trained_frozen(rank, compressor=compressor)
     codec = attached(model).codec
     before = head_state(codec)
-    unfreeze(model, synced, True)
+    unfreeze_backbone(model, synced, True)
     with torch.no_grad():
-        model(torch.zeros(1, WIDTH))  # the forward pass that takes the backbone in
+        model(torch.zeros(1, BACKBONE_WIDTH))  # the forward pass that takes the backbone in
     after = head_state(codec)
     kept = bool(before) and before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     start = model.backbone[0].weight.detach().clone()
@@ -228,9 +195,9 @@ def unfrozen_under_a_compressor(rank, world_size, compressor):
     resumed = Backbone()
     resumed.load_state_dict(saved_model)
     resumed.backbone.requires_grad_(False)
-    optimizer = optimizer_for(resumed, True)
+    optimizer = backbone_optimizer(resumed, True)
     resumed, synced = gradsync.wrap(resumed, optimizer, scheduler="ddp", cost=COST, compressor=compressor)
-    unfreeze(resumed, synced, True)
+    unfreeze_backbone(resumed, synced, True)
     synced.load_state_dict(saved_state)
     train(resumed, synced, rank, resumed_steps)
     resumed_apart = max((a - b).abs().max().item() for a, b in zip(resumed.parameters(), straight))
@@ -253,7 +220,7 @@ def test_every_codec_takes_in_new_tensors_keeping_the_state_of_the_earlier_ones(
     """No ranks: each registered codec set up for the head, then taking in the backbone; its shared
     state (a low-rank codec's initial factors) of the head is kept, the backbone's equals what a
     codec set up for both from the same seed starts with."""
-    specs = {tensor: TensorSpec(tensor, WIDTH * WIDTH, 4, (WIDTH, WIDTH))
+    specs = {tensor: TensorSpec(tensor, BACKBONE_WIDTH * BACKBONE_WIDTH, 4, (BACKBONE_WIDTH, BACKBONE_WIDTH))
              for tensor in ("backbone.weight", "head.weight")}
     codec = compress.get(name)
     codec.setup({"head.weight": specs["head.weight"]}, 2, seed=7)
@@ -279,9 +246,9 @@ def unfrozen_between_two_backward_passes(rank, world_size):
     ranks' parameters apart after two more steps."""
     model, _, optimizer = wrapped_and_trained_frozen(rank)
     optimizer.zero_grad()
-    batch_loss(model, rank, FROZEN_STEPS).backward()
+    backbone_loss(model, rank, FROZEN_STEPS).backward()
     model.backbone.requires_grad_(True)
-    refusal, _ = refusal_and_change(lambda: batch_loss(model, rank, FROZEN_STEPS + 1), model)
+    refusal, _ = refusal_and_change(lambda: backbone_loss(model, rank, FROZEN_STEPS + 1), model)
     optimizer.step()
     train(model, optimizer, rank, range(FROZEN_STEPS + 2, FROZEN_STEPS + 4))
     apart = ranks_apart(model)
