@@ -43,9 +43,10 @@ def batch(rank: int, step: int):
     return tokens, targets
 
 
-def train_side_by_side(pairs, rank: int, steps: int) -> None:
-    """`steps` steps of every (model, optimizer) pair on the same batches (gradsync's and torch DDP's)."""
-    for step in range(steps):
+def train_side_by_side(pairs, rank: int, steps: int | range) -> None:
+    """`steps` steps (or those of a range) of every (model, optimizer) pair on the same batches
+    (gradsync's and torch DDP's)."""
+    for step in range(steps) if isinstance(steps, int) else steps:
         tokens, targets = batch(rank, step)
         for network, stepper in pairs:
             stepper.zero_grad()

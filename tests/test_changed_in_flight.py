@@ -114,7 +114,9 @@ def test_gradients_clipped_before_synchronize_are_refused_on_cuda_over_nccl(plan
 def cleared_by_hand_after_the_step(rank: int, world_size: int) -> dict:
     """Per deferring plan and way of clearing (``p.grad = None``, ``p.grad.zero_()``), steps whose
     gradients are cleared by hand at the loop's top while some updates wait for their layer's next
-    forward: the refusal, the updates still pending then, and whether the replicas still agree."""
+    forward (through a list of the parameters taken before the loop: ``model.parameters()`` would
+    apply those updates first): the refusal, the updates still pending then, and whether the replicas
+    still agree."""
     results = {}
     for plan, how in itertools.product(DEFERRED, ("none", "zero_")):
         scheduler, options = PLANS[plan]
@@ -123,9 +125,10 @@ def cleared_by_hand_after_the_step(rank: int, world_size: int) -> dict:
         model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), scheduler=scheduler,
                                          profile=chain_profile(model), cost=COST, **options)
         sync, error, pending = attached(model), None, 0
+        parameters = list(model.parameters())
         try:
             for step in range(4):
-                for parameter in model.parameters():
+                for parameter in parameters:
                     if how == "none":
                         parameter.grad = None
                     elif parameter.grad is not None:

@@ -220,12 +220,20 @@ def test_the_models_zero_grad_leaves_a_deferred_update_its_gradients(scheduler, 
         assert not still_overridden  # detach gives the model torch's zero_grad back
 
 
-def clamped_after_each_step(rank, world_size, scheduler, options, synchronized):
+def by_attribute(network: nn.Module) -> list[torch.Tensor]:
+    """HeadFirst's parameters read as attributes of its modules (not through ``parameters()``)."""
+    module = network.module if isinstance(network, nn.parallel.DistributedDataParallel) else network
+    return [module.head.weight, module.head.bias, module.mix.weight, module.mix.bias]
+
+
+def clamped_after_each_step(rank, world_size, scheduler, options, reach):
     """5 steps with weight clipping after each (a WGAN critic's), momentum SGD beside torch DDP,
-    while some updates wait for their layer's next forward, with or without ``optimizer.synchronize()``
-    before the clipping: the distance to DDP's parameters, or the error, whether the parameters are
-    as the clipping left them, the updates still pending, and whether detach raised it again and
-    detached all the same."""
+    while some updates wait for their layer's next forward; the clipping reaches the parameters
+    through `reach`: "parameters" (``model.parameters()``, which applies those updates first),
+    "attributes" (the modules' attributes), or "synchronized" (the attributes, after
+    ``optimizer.synchronize()``). Returns the distance to DDP's parameters, or the error, whether the
+    parameters are as the clipping left them, the updates still pending, and whether detach raised
+    it again and detached all the same."""
     model, optimizer, reference, ref_optimizer = head_first_beside_ddp(scheduler, options)
     try:
         for step in range(5):
@@ -234,14 +242,14 @@ def clamped_after_each_step(rank, world_size, scheduler, options, synchronized):
                 stepper.zero_grad()
                 F.cross_entropy(network(tokens), targets).backward()
                 stepper.step()
-                if synchronized and network is model:
+                if reach == "synchronized" and network is model:
                     optimizer.synchronize()
                 with torch.no_grad():
-                    for parameter in network.parameters():
+                    for parameter in network.parameters() if reach == "parameters" else by_attribute(network):
                         parameter.clamp_(-0.1, 0.1)
         optimizer.synchronize()
     except gradsync.ParametersChangedBeforeUpdate as error:
-        clamped = all(bool((p.abs() <= 0.1).all()) for p in model.parameters())
+        clamped = all(bool((p.abs() <= 0.1).all()) for p in by_attribute(model))
         pending = len(attached(model).deferred.pending)
         try:
             attached(model).detach()
@@ -254,12 +262,63 @@ def clamped_after_each_step(rank, world_size, scheduler, options, synchronized):
 
 @pytest.mark.parametrize("scheduler, options", [("wfbp", {"overlap_forward": True}),
                                                 ("us_byte", {"partition_bytes": 256})])
-def test_parameters_written_before_their_deferred_update_are_refused(scheduler, options):
-    for message, clamped, pending, again, detached in run_local(clamped_after_each_step, 2, scheduler, options, False):
+def test_parameters_written_before_their_deferred_update_are_refused_unless_reached_through_parameters(
+        scheduler, options):
+    for message, clamped, pending, again, detached in run_local(clamped_after_each_step, 2, scheduler, options,
+                                                                "attributes"):
         assert "written in place after optimizer.step()" in message and "optimizer.synchronize()" in message
         assert clamped and pending > 0  # refused before the update: what the clamp wrote is still there
         assert again == "raised again" and detached
-    assert run_local(clamped_after_each_step, 2, scheduler, options, True) == [pytest.approx(0, abs=1e-6)] * 2
+    for reach in ("parameters", "synchronized"):
+        assert run_local(clamped_after_each_step, 2, scheduler, options, reach) == [pytest.approx(0, abs=1e-6)] * 2
+
+
+class DeviceReading(HeadFirst):
+    """Reads its device through parameters() as its forward begins, as Hugging Face models do."""
+
+    def forward(self, tokens):
+        sync = engine._ATTACHED.get(self)  # (none on torch DDP's copy)
+        pending = len(sync.deferred.pending) if sync else 0
+        self.read_device = next(self.parameters()).device
+        if sync:
+            self.pending_kept.append((pending, len(sync.deferred.pending)))
+        return super().forward(tokens)
+
+
+def read_in_and_out_of_the_forward(rank, world_size):
+    """US-Byte's updates deferred to the next forward, beside torch DDP: the model reads its device
+    through parameters() in its forward (each layer's update still waits for that layer), and after
+    every other step a submodule's named_parameters() are read (every update applied first). Returns the
+    updates pending before and after each read in the forward, those pending after each read outside
+    it, the distance to DDP, and whether detach left any module gradsync's parameters()."""
+    torch.manual_seed(5)
+    model = DeviceReading()
+    model.pending_kept = []
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    model, optimizer = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.5), scheduler="us_byte",
+                                     profile=_profile(model), cost=COST, partition_bytes=256)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    pending_after_reads = []
+    for step in range(5):
+        train_side_by_side(((model, optimizer), (reference, ref_optimizer)), rank, range(step, step + 1))
+        if step % 2:  # (else the next forward finds the updates pending)
+            pending_after_step = len(attached(model).deferred.pending)
+            dict(model.mix.named_parameters())
+            pending_after_reads.append((pending_after_step, len(attached(model).deferred.pending)))
+    apart = distance(model, reference)
+    attached(model).detach()
+    overridden = any("parameters" in vars(module) or "named_parameters" in vars(module) for module in model.modules())
+    return model.pending_kept, pending_after_reads, apart, overridden
+
+
+def test_parameters_read_after_the_step_hold_its_updates_and_reads_within_the_forward_wait_for_each_layer():
+    for pending_kept, pending_after_reads, apart, overridden in run_local(read_in_and_out_of_the_forward, 2):
+        assert any(before > 0 for before, _ in pending_kept)  # updates were deferred to the forward
+        assert all(before == after for before, after in pending_kept)
+        assert any(before > 0 for before, _ in pending_after_reads)
+        assert all(after == 0 for _, after in pending_after_reads)
+        assert apart < 1e-6
+        assert not overridden
 
 
 def test_a_copy_of_the_model_gets_torchs_zero_grad(monkeypatch):
@@ -346,8 +405,7 @@ def averaged_copy_beside_ddp(rank, world_size, scheduler, options):
             stepper.zero_grad()
             F.cross_entropy(network(tokens), targets).backward()
             stepper.step()
-            if network is model:
-                optimizer.synchronize()  # the updates deferred to the next forward, before reading the parameters
+            # (model.parameters() applies the updates deferred to the next forward first)
             averaged.update_parameters(network.module if network is reference else network)
             F.cross_entropy(averaged(tokens), targets).backward()  # a teacher's loss, on the copy's own gradients
             averaged.zero_grad()

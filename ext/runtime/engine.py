@@ -15,7 +15,8 @@ Lifecycle of one iteration:
    ops (the last one, the forward-phase ones) launch and the buffers' broadcast is waited for;
 3. ``optimizer.step()``: waits for the backward-phase ops that are not deferred and updates the
    parameters whose ops are complete; the others are updated by step 1 of the next iteration, or
-   when the model's ``state_dict()`` or ``load_state_dict()`` is called before it.
+   when the model's ``state_dict()`` or ``load_state_dict()``, or a module's ``parameters()`` or
+   ``named_parameters()`` outside a forward pass, is called before it.
 The parts: ``installed.InstalledPlans`` (the plans in force, their executors and predictions, the
 measurement that replaces them while it runs: ``runtime.measure``), ``deferred.DeferredUpdates``
 (step 3's updates left for step 1) and ``statistics.IterationClock`` (where each iteration's time
@@ -56,6 +57,8 @@ from .statistics import IterationClock
 
 log = logging.getLogger("gradsync")
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
+# every module of an attached model whose parameters() apply the deferred updates first -> its runtime
+_READ_THROUGH: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
 
 
 class GradSync:
@@ -96,9 +99,19 @@ class GradSync:
                         model.register_state_dict_pre_hook(on_module(model, lambda *_: self.flush_deferred())),
                         model.register_load_state_dict_pre_hook(on_module(model, lambda *_: self.flush_deferred()))]
         self.handles.append(model.register_forward_hook(on_module(model, self._root_post_forward)))
+        self.in_forward = False  # between the root's forward pre-hook and its forward hook
         self._take_table(table, installed)
         if type(model).zero_grad is torch.nn.Module.zero_grad:  # a class's own zero_grad is left as it is
             model.zero_grad = types.MethodType(_zero_grad_while_attached, model)
+        # every module's parameters() and named_parameters() apply the deferred updates first (a class's
+        # own are left as they are): read after the step, the parameters hold its updates
+        module_class = torch.nn.Module
+        self.read_through = [module for module in model.modules() if type(module).parameters is module_class.parameters
+                             and type(module).named_parameters is module_class.named_parameters]
+        for module in self.read_through:
+            module.parameters = types.MethodType(_parameters_while_attached, module)
+            module.named_parameters = types.MethodType(_named_parameters_while_attached, module)
+            _READ_THROUGH[module] = self
         _ATTACHED[model] = self
 
     def _take_table(self, table: ParameterTable, installed: InstalledPlans) -> None:
@@ -266,6 +279,7 @@ class GradSync:
         """Where the plans in force let the outputs begin (``output_start``), a hook on each output
         tensor of a forward that records a graph: its gradient comes before that of any parameter
         the loss reaches through it."""
+        self.in_forward = False
         if self.outputs_may_begin and torch.is_grad_enabled():
             for tensor in _tensors_requiring_grad(outputs):
                 tensor.register_hook(self._output_gradient)
@@ -439,6 +453,7 @@ class GradSync:
 
     def _root_pre_forward(self, _module, _inputs) -> None:
         self._take_in_any_unfrozen()
+        self.in_forward = True
         self.ran_forward.clear()
         self.clock.forward_begins()
         if self.outputs_await_accumulators and self.output_start.can_prepare():
@@ -539,6 +554,7 @@ class GradSync:
 
     # -- optimizer ---------------------------------------------------------------------------------
     def step(self, optimizer) -> None:
+        self.in_forward = False  # (a forward that raised left it set)
         self._refuse_unsynchronised("optimizer.step()")
         executor = self._collect(everything=self.installed.nonfinite == "skip")
         if not executor.skip_step:
@@ -797,6 +813,10 @@ class GradSync:
         self.handles = []
         if getattr(self.model.__dict__.get("zero_grad"), "__func__", None) is _zero_grad_while_attached:
             del self.model.zero_grad
+        for module in self.read_through:
+            del module.parameters, module.named_parameters
+            _READ_THROUGH.pop(module, None)
+        self.read_through = []
         _ATTACHED.pop(self.model, None)
         try:
             if self.trace is not None:
@@ -843,7 +863,30 @@ def _zero_grad_while_attached(model, set_to_none: bool = True) -> None:
     if sync is None:
         torch.nn.Module.zero_grad(model, set_to_none)
     else:
-        sync.zero_grad(model.parameters(), set_to_none)
+        sync.zero_grad(torch.nn.Module.parameters(model), set_to_none)  # (not gradsync's: it would apply the updates)
+
+
+def _parameters_while_attached(module, recurse: bool = True):
+    """``module.parameters()`` on a module of a model gradsync is attached to: outside a forward
+    pass, the updates still deferred to the layers' next forward are applied first, so that what
+    reads the parameters after the step (an AveragedModel or an EMA, a weight clipping, a log of the
+    weights) reads the step's; on a copy of the module (``copy.deepcopy``), torch's own."""
+    _apply_before_read(module)
+    return torch.nn.Module.parameters(module, recurse)
+
+
+def _named_parameters_while_attached(module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    """``module.named_parameters()``, as `_parameters_while_attached`."""
+    _apply_before_read(module)
+    return torch.nn.Module.named_parameters(module, prefix, recurse, remove_duplicate)
+
+
+def _apply_before_read(module) -> None:
+    """The deferred updates, applied before `module`'s parameters are read outside a forward pass
+    (within one, each layer's own pre-forward hook applies its update as it runs)."""
+    sync = _READ_THROUGH.get(module)
+    if sync is not None and sync.deferred.pending and not sync.in_forward:
+        sync.flush_deferred()
 
 
 def attached(model) -> GradSync:
