@@ -177,7 +177,7 @@ def head_first_beside_ddp(scheduler: str, options: dict):
 def cleared_by_the_models_zero_grad(rank, world_size, scheduler, options, set_to_none):
     """5 steps whose gradients are cleared by ``model.zero_grad`` (as the Hugging Face Trainer and
     many loops do) while some updates wait for their layer's next forward, momentum SGD beside
-    torch DDP: the most updates left pending after a step, and the distance to DDP's parameters."""
+    torch DDP: the most updates left pending after the clearing, and the distance to DDP's parameters."""
     model, optimizer, reference, ref_optimizer = head_first_beside_ddp(scheduler, options)
     pending, apart = most_pending_beside(model, optimizer, reference, ref_optimizer, rank, 5,
                                          lambda network, _: network.zero_grad(set_to_none=set_to_none))
@@ -186,8 +186,9 @@ def cleared_by_the_models_zero_grad(rank, world_size, scheduler, options, set_to
 
 def most_pending_beside(model, optimizer, reference, ref_optimizer, rank: int, steps: int, clear):
     """`steps` steps of gradsync's model and torch DDP's on the same batches, each begun by
-    ``clear(network, its optimizer)``: the most updates left pending after a step, and the distance to
-    DDP's parameters once they are applied (the runtime detached).
+    ``clear(network, its optimizer)``: the most updates still pending after that clearing (the last
+    step's, which the clearing must leave to their layer's next forward), and the distance to DDP's
+    parameters once they are applied (the runtime detached).
 
     Args:
         model, optimizer: gradsync's, wrapped.
@@ -200,9 +201,10 @@ def most_pending_beside(model, optimizer, reference, ref_optimizer, rank: int, s
         tokens, targets = batch(rank, step)
         for network, stepper in ((model, optimizer), (reference, ref_optimizer)):
             clear(network, stepper)
+            if network is model:
+                pending = max(pending, len(attached(model).deferred.pending))
             F.cross_entropy(network(tokens), targets).backward()
             stepper.step()
-        pending = max(pending, len(attached(model).deferred.pending))
     optimizer.synchronize()
     apart = distance(model, reference)
     attached(model).detach()

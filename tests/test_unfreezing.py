@@ -96,6 +96,40 @@ def test_a_backbone_unfrozen_after_the_wrap_trains_as_under_torch_ddp_made_again
             assert measured, scheduler
 
 
+def evaluated_while_the_head_is_frozen_for_now(rank, world_size):
+    """Under ACP-SGD, the backbone unfrozen while the head is frozen for one step (as a GAN freezes its
+    discriminator for the generator's), then evaluated (under inference mode, then no_grad) before it
+    trains. An evaluation's forward leaves the take-in to the next training forward (the new plans'
+    buffers would be inference tensors); the head stays in the new table, and training it again takes
+    nothing in. Returns whether an evaluation took the backbone in, whether training did, whether the
+    head stayed, whether another take-in followed, and how far the ranks are apart."""
+    model, _, optimizer = wrapped_and_trained_frozen(rank, compressor="acp_sgd")
+    sync = attached(model)
+    first = sync.installed
+    model.head.requires_grad_(False)
+    unfreeze_backbone(model, optimizer, True)
+    with torch.inference_mode():
+        model(torch.zeros(1, BACKBONE_WIDTH))
+    with torch.no_grad():
+        model(torch.zeros(1, BACKBONE_WIDTH))
+    taken_at_evaluation = sync.installed is not first
+    train(model, optimizer, rank, range(FROZEN_STEPS, FROZEN_STEPS + 1))
+    taken = sync.installed
+    head_kept = "head.weight" in sync.table.parameters
+    model.head.requires_grad_(True)
+    train(model, optimizer, rank, range(FROZEN_STEPS + 1, FROZEN_STEPS + 6))
+    apart = ranks_apart(model)
+    sync.detach()
+    return taken_at_evaluation, taken is not first, head_kept, sync.installed is not taken, apart
+
+
+def test_a_training_forward_takes_the_unfrozen_in_keeping_those_frozen_for_now():
+    for at_evaluation, taken, head_kept, taken_again, apart in run_local(evaluated_while_the_head_is_frozen_for_now, 2):
+        assert not at_evaluation and taken
+        assert head_kept and not taken_again
+        assert apart == 0.0
+
+
 def unfrozen_between_forward_and_step(rank, world_size):
     """The backbone unfrozen after a forward pass, before its backward: that step is refused and
     changes nothing; after optimizer.zero_grad() the next forward takes it in, and it trains alike
@@ -175,8 +209,7 @@ def unfrozen_under_a_compressor(rank, world_size, compressor):
     codec = attached(model).codec
     before = head_state(codec)
     unfreeze_backbone(model, synced, True)
-    with torch.no_grad():
-        model(torch.zeros(1, BACKBONE_WIDTH))  # the forward pass that takes the backbone in
+    model(torch.zeros(1, BACKBONE_WIDTH))  # the forward pass that takes the backbone in (a training one)
     after = head_state(codec)
     kept = bool(before) and before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     start = model.backbone[0].weight.detach().clone()
@@ -258,5 +291,5 @@ def unfrozen_between_two_backward_passes(rank, world_size):
 
 def test_a_backbone_unfrozen_between_two_backward_passes_of_a_step_is_refused_at_the_forward():
     for refusal, apart in run_local(unfrozen_between_two_backward_passes, 2):
-        assert "were unfrozen between a backward pass and its optimizer.step()" in refusal
+        assert "were unfrozen between a synchronised backward pass and its optimizer.step()" in refusal
         assert apart == 0.0

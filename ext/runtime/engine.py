@@ -107,7 +107,8 @@ class GradSync:
         # own are left as they are): read after the step, the parameters hold its updates
         module_class = torch.nn.Module
         self.read_through = [module for module in model.modules() if type(module).parameters is module_class.parameters
-                             and type(module).named_parameters is module_class.named_parameters]
+                             and type(module).named_parameters is module_class.named_parameters
+                             and module not in _READ_THROUGH]  # (one another attached model shares keeps its)
         for module in self.read_through:
             module.parameters = types.MethodType(_parameters_while_attached, module)
             module.named_parameters = types.MethodType(_named_parameters_while_attached, module)
@@ -452,7 +453,8 @@ class GradSync:
             self.clock.wait(self.executor, self.executor.wait_all)
 
     def _root_pre_forward(self, _module, _inputs) -> None:
-        self._take_in_any_unfrozen()
+        if torch.is_grad_enabled():  # (an evaluation's forward leaves them to the next training one)
+            self._take_in_any_unfrozen()
         self.in_forward = True
         self.ran_forward.clear()
         self.clock.forward_begins()
@@ -647,8 +649,9 @@ class GradSync:
                     "initialize again once the parameters to train are set")
 
     def _take_in_any_unfrozen(self) -> None:
-        """Take in the parameters unfrozen since the table was made, if any and if the runtime takes them."""
-        if self.takes_unfrozen and self.table.frozen:
+        """Take in the parameters unfrozen since the table was made, if any and if the runtime takes them
+        (not under inference mode, whose tensors the new plans' buffers would be)."""
+        if self.takes_unfrozen and self.table.frozen and not torch.is_inference_mode_enabled():
             unfrozen = self.table.unfrozen()
             if unfrozen:
                 self._take_in_unfrozen(unfrozen)
@@ -666,16 +669,17 @@ class GradSync:
            iterations, then planned on the cost in force, as at wrap (``InstalledPlans.for_table``).
         4. The hooks move to the new table's parameters and modules; the optimizer is checked again."""
         if self.gradients_held:
-            raise RuntimeError(f"parameter(s) {names[:5]} were unfrozen between a backward pass and its "
-                               "optimizer.step(): unfreeze parameters after the step (they join the plans at the "
-                               "next forward pass)")
+            raise RuntimeError(f"parameter(s) {names[:5]} were unfrozen between a synchronised backward pass and "
+                               "its optimizer.step() or optimizer.zero_grad(): unfreeze parameters after the step, or "
+                               "clear the gradients before this forward pass (they join the plans there)")
         self.settle_step()
         self.flush()
         with waiting_for("the check that every rank unfroze the same parameters", self.channels.timeout):
             check_same_on_all_ranks(names, "set of parameters unfrozen since the last plans were made",
                                     "unfreeze the same parameters on every rank, before the same forward pass",
                                     self.channels.process_group)
-        table = ParameterTable.of(self.model)
+        table = ParameterTable.of(self.model, kept=self.table.parameters.values())
+        table.check_compressor(self.codec.name)
         self.codec.take_in({name: table.tensor_spec(name) for name in table.parameters})
         installed = self.installed.for_table(table, type(self.model).__name__)
         optimizer = self.deferred.optimizer
@@ -815,7 +819,7 @@ class GradSync:
             del self.model.zero_grad
         for module in self.read_through:
             del module.parameters, module.named_parameters
-            _READ_THROUGH.pop(module, None)
+            del _READ_THROUGH[module]
         self.read_through = []
         _ATTACHED.pop(self.model, None)
         try:
@@ -863,7 +867,7 @@ def _zero_grad_while_attached(model, set_to_none: bool = True) -> None:
     if sync is None:
         torch.nn.Module.zero_grad(model, set_to_none)
     else:
-        sync.zero_grad(torch.nn.Module.parameters(model), set_to_none)  # (not gradsync's: it would apply the updates)
+        sync.zero_grad(_own_parameters(model), set_to_none)
 
 
 def _parameters_while_attached(module, recurse: bool = True):
@@ -872,7 +876,13 @@ def _parameters_while_attached(module, recurse: bool = True):
     reads the parameters after the step (an AveragedModel or an EMA, a weight clipping, a log of the
     weights) reads the step's; on a copy of the module (``copy.deepcopy``), torch's own."""
     _apply_before_read(module)
-    return torch.nn.Module.parameters(module, recurse)
+    return _own_parameters(module, recurse)
+
+
+def _own_parameters(module, recurse: bool = True):
+    """torch's ``module.parameters()``, without the updates applied first (torch's calls the
+    module's ``named_parameters``, which may be `_named_parameters_while_attached`)."""
+    return (parameter for _, parameter in torch.nn.Module.named_parameters(module, recurse=recurse))
 
 
 def _named_parameters_while_attached(module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -30,7 +31,10 @@ class ParameterTable:
     frozen: dict[str, nn.Parameter] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ParameterTable":
+    def of(cls, model: nn.Module, kept: Iterable[nn.Parameter] = ()) -> "ParameterTable":
+        """The table of `model`'s parameters that train now, and of those in `kept` (an earlier
+        table's, frozen for now: a GAN's discriminator during the generator's step)."""
+        kept_ids = {id(parameter) for parameter in kept}
         parameters: dict[str, nn.Parameter] = {}
         owners: dict[str, list[str]] = {}
         modules: dict[str, nn.Module] = {}
@@ -42,7 +46,7 @@ class ParameterTable:
         for module_name, module in model.named_modules():
             for local_name, parameter in module.named_parameters(recurse=False):
                 name = f"{module_name}.{local_name}" if module_name else local_name
-                if not parameter.requires_grad:
+                if not parameter.requires_grad and id(parameter) not in kept_ids:
                     if id(parameter) not in frozen_ids:
                         frozen_ids.add(id(parameter))
                         frozen[name] = parameter
