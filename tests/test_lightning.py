@@ -27,7 +27,8 @@ from gradsync.cost import CostModel  # noqa: E402
 from gradsync.launch import run_local  # noqa: E402
 from gradsync.recipes.models import build  # noqa: E402
 from gradsync.strategies import GradSyncStrategy, strategy_entries  # noqa: E402
-from pytorch_lightning.callbacks import BackboneFinetuning, ModelCheckpoint, StochasticWeightAveraging  # noqa: E402
+from pytorch_lightning.callbacks import (BackboneFinetuning, EMAWeightAveraging, ModelCheckpoint,  # noqa: E402
+                                         StochasticWeightAveraging)
 from pytorch_lightning.loggers import CSVLogger  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
@@ -397,6 +398,8 @@ def all_runs(rank, world_size, root):
                                                                               batches(rank=rank)))
     results["swa/ddp"] = attempt(lambda: fit_averaging_weights("ddp", root))
     results["swa/us_byte"] = attempt(lambda: fit_averaging_weights(deferred_us_byte(), root))
+    for name, strategy in (("ddp", "ddp"), ("us_byte", deferred_us_byte())):
+        results[f"ema/{name}"] = attempt(lambda: fit(strategy, root, callbacks=[EMAWeightAveraging(decay=0.5)]))
     results["fp16/acp_sgd"] = attempt(lambda: fit_following_the_scale(root))
     results["fp16/hook"] = attempt(lambda: fit_with_hook_callback(root, plugins=[fp16_with_grad_scaler()]))
     results["resume"] = resume_runs(rank, shared)
@@ -637,6 +640,14 @@ def test_a_backbone_unfrozen_by_backbone_finetuning_trains_under_acp_sgd_with_th
     """The codec keeps the head's state and starts the backbone's (``Codec.take_in``)."""
     assert backbone_moved(ranks[0]["backbone/acp_sgd"]) > TOLERANCE
     assert distance(ranks[0]["backbone/acp_sgd"], ranks[1]["backbone/acp_sgd"]) == 0
+
+
+def test_an_ema_updated_at_each_batch_end_sees_the_updates_deferred_to_the_next_forward(ranks):
+    """EMAWeightAveraging reads the parameters through parameters() after each step, which applies
+    the updates still waiting for their layer's next forward; the average is the model's at the end."""
+    for rank in (0, 1):
+        assert distance(ranks[rank]["ema/us_byte"], ranks[rank]["ema/ddp"]) < TOLERANCE
+    assert distance(ranks[0]["ema/ddp"], ranks[0]["ddp"]) > TOLERANCE
 
 
 def test_manual_optimization_matches_ddp(ranks):
