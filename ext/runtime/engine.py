@@ -49,6 +49,7 @@ from .first_rank import FirstRankValues
 from .output_start import OutputStart
 from .over_ranks import reduction_over_ranks
 from .installed import InstalledPlans
+from . import read_through
 from .module_hooks import on_module
 from .parameter_table import ParameterTable
 from .measure import IterationDone, Measurement
@@ -57,8 +58,6 @@ from .statistics import IterationClock
 
 log = logging.getLogger("gradsync")
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
-# every module of an attached model whose parameters() apply the deferred updates first -> its runtime
-_READ_THROUGH: "weakref.WeakKeyDictionary[torch.nn.Module, GradSync]" = weakref.WeakKeyDictionary()
 
 
 class GradSync:
@@ -103,16 +102,7 @@ class GradSync:
         self._take_table(table, installed)
         if type(model).zero_grad is torch.nn.Module.zero_grad:  # a class's own zero_grad is left as it is
             model.zero_grad = types.MethodType(_zero_grad_while_attached, model)
-        # every module's parameters() and named_parameters() apply the deferred updates first (a class's
-        # own are left as they are): read after the step, the parameters hold its updates
-        module_class = torch.nn.Module
-        self.read_through = [module for module in model.modules() if type(module).parameters is module_class.parameters
-                             and type(module).named_parameters is module_class.named_parameters
-                             and module not in _READ_THROUGH]  # (one another attached model shares keeps its)
-        for module in self.read_through:
-            module.parameters = types.MethodType(_parameters_while_attached, module)
-            module.named_parameters = types.MethodType(_named_parameters_while_attached, module)
-            _READ_THROUGH[module] = self
+        self.read_through = read_through.install(model, self)  # parameters read after the step hold its updates
         _ATTACHED[model] = self
 
     def _take_table(self, table: ParameterTable, installed: InstalledPlans) -> None:
@@ -817,9 +807,7 @@ class GradSync:
         self.handles = []
         if getattr(self.model.__dict__.get("zero_grad"), "__func__", None) is _zero_grad_while_attached:
             del self.model.zero_grad
-        for module in self.read_through:
-            del module.parameters, module.named_parameters
-            del _READ_THROUGH[module]
+        read_through.remove(self.read_through)
         self.read_through = []
         _ATTACHED.pop(self.model, None)
         try:
@@ -867,36 +855,7 @@ def _zero_grad_while_attached(model, set_to_none: bool = True) -> None:
     if sync is None:
         torch.nn.Module.zero_grad(model, set_to_none)
     else:
-        sync.zero_grad(_own_parameters(model), set_to_none)
-
-
-def _parameters_while_attached(module, recurse: bool = True):
-    """``module.parameters()`` on a module of a model gradsync is attached to: outside a forward
-    pass, the updates still deferred to the layers' next forward are applied first, so that what
-    reads the parameters after the step (an AveragedModel or an EMA, a weight clipping, a log of the
-    weights) reads the step's; on a copy of the module (``copy.deepcopy``), torch's own."""
-    _apply_before_read(module)
-    return _own_parameters(module, recurse)
-
-
-def _own_parameters(module, recurse: bool = True):
-    """torch's ``module.parameters()``, without the updates applied first (torch's calls the
-    module's ``named_parameters``, which may be `_named_parameters_while_attached`)."""
-    return (parameter for _, parameter in torch.nn.Module.named_parameters(module, recurse=recurse))
-
-
-def _named_parameters_while_attached(module, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-    """``module.named_parameters()``, as `_parameters_while_attached`."""
-    _apply_before_read(module)
-    return torch.nn.Module.named_parameters(module, prefix, recurse, remove_duplicate)
-
-
-def _apply_before_read(module) -> None:
-    """The deferred updates, applied before `module`'s parameters are read outside a forward pass
-    (within one, each layer's own pre-forward hook applies its update as it runs)."""
-    sync = _READ_THROUGH.get(module)
-    if sync is not None and sync.deferred.pending and not sync.in_forward:
-        sync.flush_deferred()
+        sync.zero_grad(read_through.own_parameters(model), set_to_none)
 
 
 def attached(model) -> GradSync:
