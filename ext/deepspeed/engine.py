@@ -75,8 +75,9 @@ def attach(engine, arguments: WrapArguments) -> None:
     gradients); at stage 0 in fp32 the engine's optimizer becomes gradsync's SyncedOptimizer. A
     parameter no rank produced a gradient for gets zeros, as DeepSpeed's all-reduce gives it (so
     that momentum and weight decay act on it as they do without gradsync). A parameter frozen at
-    ``deepspeed.initialize`` stays out (DeepSpeed's optimizers hold those trainable then): one
-    unfrozen later is refused at the step."""
+    ``deepspeed.initialize`` and unfrozen later joins the plans at stage 0 in fp32, as DeepSpeed's
+    all-reduce takes it; ZeRO's partitions and the mixed-precision optimizers' flat buffers hold the
+    parameters trainable at ``initialize`` alone, there as without gradsync."""
     if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
         zero = engine.optimizer
         table = ParameterTable.of(engine.module)
@@ -90,8 +91,7 @@ def attach(engine, arguments: WrapArguments) -> None:
                                    takes_unfrozen=False)
         take_over(own, synced)
     else:
-        _, synced = attach_runtime(engine.module, engine.optimizer, arguments, unused_as_zeros=True,
-                                   takes_unfrozen=False)
+        _, synced = attach_runtime(engine.module, engine.optimizer, arguments, unused_as_zeros=True)
         engine.optimizer = DeepSpeedSyncedOptimizer(synced.optimizer, synced.sync)
     engine.enable_backward_allreduce = False
     engine.gradsync = attached(engine.module)

@@ -138,7 +138,8 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, argu
             zeros, as DeepSpeed's engine fills them before its all-reduce (so that momentum and
             weight decay still act on it); else its gradient stays as it is, as under torch DDP.
         takes_unfrozen: a parameter frozen at the attach and trainable later joins the plans at the
-            next forward pass (``GradSync``; not with a partition); else refused.
+            next training forward pass (``GradSync``; never with a partition); else one the optimizer
+            holds is refused at the step (for optimizers whose parameters are fixed at the attach).
     """
     members = OptimizerGroup.of(optimizer) if isinstance(optimizer, (list, tuple)) else None
     bound = optimizer if members is None else members

@@ -634,9 +634,9 @@ class GradSync:
                         "before a forward pass of the model (they join the plans as its forward begins: the model's "
                         "own, not a method calling its layers); call optimizer.zero_grad() and run the step again")
         raise error(f"parameter(s) {unfrozen[:5]} were frozen when gradsync attached and train now: no rank averages "
-                    "their gradients, so the replicas would drift apart. Parameters unfrozen later join the plans "
-                    "only outside DeepSpeed (whose optimizers hold the parameters trainable at initialize): "
-                    "initialize again once the parameters to train are set")
+                    "their gradients, so the replicas would drift apart, and this runtime's optimizer holds the "
+                    "parameters trainable when it attached alone: attach it again once the parameters to train are "
+                    "set")
 
     def _take_in_any_unfrozen(self) -> None:
         """Take in the parameters unfrozen since the table was made, if any and if the runtime takes them
