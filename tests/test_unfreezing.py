@@ -15,7 +15,7 @@ from gradsync import ConfigError, compress
 from gradsync.errors import PeersTimedOut
 from gradsync.launch import run_local
 from gradsync.profile import TensorSpec
-from gradsync.runtime import attached
+from gradsync.runtime import attach, attached, check_wrap_arguments
 from launches import side_by_side
 from runtime_models import (BACKBONE_WIDTH, COST, Backbone, backbone_loss, backbone_optimizer, refusal_and_change,
                             unfreeze_backbone)
@@ -270,6 +270,32 @@ def test_every_codec_takes_in_new_tensors_keeping_the_state_of_the_earlier_ones(
             assert entries.keys() == fresh[key].keys()
             assert torch.equal(entries["head.weight"], before[key]["head.weight"]), key
             assert torch.equal(entries["backbone.weight"], fresh[key]["backbone.weight"]), key
+
+
+def unfrozen_where_the_optimizer_is_fixed(rank, world_size):
+    """A runtime attached with ``takes_unfrozen=False`` (as for DeepSpeed's ZeRO and mixed-precision
+    optimizers, whose parameters are fixed at the attach), its optimizer holding the frozen backbone:
+    the backbone unfrozen is refused at the step, changing nothing. Returns the refusal and whether
+    a parameter changed."""
+    torch.manual_seed(0)
+    model = Backbone()
+    model.backbone.requires_grad_(False)
+    model, optimizer = attach(model, backbone_optimizer(model, True), check_wrap_arguments("ddp", cost=COST),
+                              takes_unfrozen=False)
+    train(model, optimizer, rank, range(FROZEN_STEPS))
+    unfreeze_backbone(model, optimizer, True)
+    optimizer.zero_grad()
+    backbone_loss(model, rank, FROZEN_STEPS).backward()
+    refusal, changed = refusal_and_change(optimizer.step, model)
+    attached(model).detach()
+    return str(refusal), changed
+
+
+def test_a_runtime_that_takes_nothing_in_refuses_an_unfrozen_parameter_at_the_step():
+    for refusal, changed in run_local(unfrozen_where_the_optimizer_is_fixed, 2):
+        assert "['backbone.0.weight', 'backbone.0.bias', " in refusal
+        assert "were frozen when gradsync attached and train now" in refusal
+        assert not changed
 
 
 def unfrozen_between_two_backward_passes(rank, world_size):
