@@ -155,10 +155,11 @@ class Backbone(nn.Module):
         return self.head(torch.tanh(self.backbone(x)))
 
 
-def backbone_loss(model, rank: int, step: int) -> torch.Tensor:
+def backbone_loss(model, rank: int, step: int, device: str = "cpu") -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * rank + step)
-    inputs = torch.randn(6, BACKBONE_WIDTH, generator=generator)
-    return F.cross_entropy(model(inputs)[:, :4], torch.randint(0, 4, (6,), generator=generator))
+    inputs = torch.randn(6, BACKBONE_WIDTH, generator=generator).to(device)
+    targets = torch.randint(0, 4, (6,), generator=generator).to(device)
+    return F.cross_entropy(model(inputs)[:, :4], targets)
 
 
 def backbone_optimizer(model: nn.Module, everything: bool) -> torch.optim.Optimizer:

@@ -43,35 +43,35 @@ def wrapped_and_trained_frozen(rank: int, everything: bool = True, **options):
     return model, optimizer, synced
 
 
-def train(model, optimizer, rank: int, steps: range) -> None:
+def train(model, optimizer, rank: int, steps: range, device: str = "cpu") -> None:
     for step in steps:
         optimizer.zero_grad()
-        backbone_loss(model, rank, step).backward()
+        backbone_loss(model, rank, step, device).backward()
         optimizer.step()
 
 
-def frozen_then_trained(rank, world_size, scheduler, options, everything):
+def frozen_then_trained(rank, world_size, scheduler, options, everything, device="cpu"):
     """The backbone frozen at wrap for `FROZEN_STEPS`, then unfrozen (before a forward pass) for
-    `TRAINED_STEPS`, under gradsync and under torch DDP made again at the unfreezing. Returns the
-    largest difference of their parameters, how far the backbone moved, the plans' tensors and
-    whether the plan of a measured profile came."""
+    `TRAINED_STEPS`, under gradsync and under torch DDP made again at the unfreezing, on `device`.
+    Returns the largest difference of their parameters, how far the backbone moved, the plans'
+    tensors and whether the plan of a measured profile came."""
     torch.manual_seed(0)
-    reference = Backbone()
+    reference = Backbone().to(device)
     reference.backbone.requires_grad_(False)
-    model = Backbone()
+    model = Backbone().to(device)
     model.load_state_dict(reference.state_dict())
     model.backbone.requires_grad_(False)
     start = model.backbone[0].weight.detach().clone()
     model, optimizer = gradsync.wrap(model, backbone_optimizer(model, everything), scheduler=scheduler, cost=COST,
                                      **options)
     reference_optimizer = backbone_optimizer(reference, everything)
-    train(model, optimizer, rank, range(FROZEN_STEPS))
-    train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS))
+    train(model, optimizer, rank, range(FROZEN_STEPS), device)
+    train(DistributedDataParallel(reference), reference_optimizer, rank, range(FROZEN_STEPS), device)
     unfreeze_backbone(model, optimizer, everything)
     unfreeze_backbone(reference, reference_optimizer, everything)
     trained_steps = range(FROZEN_STEPS, FROZEN_STEPS + TRAINED_STEPS)
-    train(model, optimizer, rank, trained_steps)
-    train(DistributedDataParallel(reference), reference_optimizer, rank, trained_steps)
+    train(model, optimizer, rank, trained_steps, device)
+    train(DistributedDataParallel(reference), reference_optimizer, rank, trained_steps, device)
     sync = attached(model)
     sync.flush()
     apart = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
@@ -94,6 +94,15 @@ def test_a_backbone_unfrozen_after_the_wrap_trains_as_under_torch_ddp_made_again
             assert moved > 1e-3, scheduler
             assert "backbone.0.weight" in planned and "head.weight" in planned, scheduler
             assert measured, scheduler
+
+
+@pytest.mark.gpu
+def test_a_backbone_unfrozen_after_the_wrap_trains_as_under_torch_ddp_on_cuda_over_nccl():
+    """One rank on the GPU: the new plans' buffers and the codec's state on CUDA, NCCL's ops."""
+    for scheduler, options in SCHEDULERS[:3]:
+        (apart, moved, planned, measured), = run_local(frozen_then_trained, 1, scheduler, options, False, "cuda",
+                                                      backend="nccl", timeout=300)
+        assert apart < 1e-6 and moved > 1e-3 and "backbone.0.weight" in planned and measured, scheduler
 
 
 def evaluated_while_the_head_is_frozen_for_now(rank, world_size):

@@ -323,12 +323,14 @@ STEPS = [
          "ACP-SGD <= 0.55 of Power-SGD's encoding + decoding time", 120, prepare_compression, run_compression),
     test_step("wrap_nccl", "gradsync.wrap on NCCL, one rank, against torch DDP; its communication timed for "
               "re-planning (NCCL's own op durations); iterations begun at the outputs; gradients clipped in flight "
-              "refused", "every test passes", 240,
+              "refused; a backbone unfrozen after the wrap taken into new plans", "every test passes", 300,
               "tests/test_gpu_runtime.py::test_wrap_on_nccl_with_one_rank_trains_like_ddp",
               "tests/test_replanning.py::test_the_communication_is_timed_on_nccl",
               "tests/test_output_start.py::test_iterations_begin_at_the_outputs_on_cuda_over_nccl",
               "tests/test_changed_in_flight.py"
-              "::test_gradients_clipped_before_synchronize_are_refused_on_cuda_over_nccl"),
+              "::test_gradients_clipped_before_synchronize_are_refused_on_cuda_over_nccl",
+              "tests/test_unfreezing.py"
+              "::test_a_backbone_unfrozen_after_the_wrap_trains_as_under_torch_ddp_on_cuda_over_nccl"),
     test_step("wrap_gloo_cuda", "gradsync.wrap on 2 ranks sharing the GPU (gloo, CUDA tensors), against torch DDP",
               "every test passes", 180,
               "tests/test_gpu_runtime.py::test_wrap_on_two_ranks_sharing_the_gpu_over_gloo_trains_like_ddp"),
