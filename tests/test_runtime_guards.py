@@ -275,6 +275,32 @@ def test_parameters_written_before_their_deferred_update_are_refused_unless_reac
         assert run_local(clamped_after_each_step, 2, scheduler, options, reach) == [pytest.approx(0, abs=1e-6)] * 2
 
 
+def regrouped_after_two_steps(rank, world_size):
+    """US-Byte's updates deferred to the next forward, beside torch DDP, both optimizers' groups
+    replaced after two steps by an assignment of ``param_groups`` (as Lightning's finetuning callbacks
+    restore theirs on a restart): the mix layer in a group of its own at another learning rate. The
+    distance to DDP after three more steps."""
+    model, optimizer, reference, ref_optimizer = head_first_beside_ddp("us_byte", {"partition_bytes": 256})
+    pairs = ((model, optimizer), (reference, ref_optimizer))
+    train_side_by_side(pairs, rank, 2)
+    for network, stepper in pairs:
+        module = network.module if isinstance(network, nn.parallel.DistributedDataParallel) else network
+        mix = {id(p) for p in module.mix.parameters()}
+        group = stepper.param_groups[0]
+        settings = {k: v for k, v in group.items() if k != "params"}
+        stepper.param_groups = [{**settings, "params": [p for p in group["params"] if id(p) not in mix]},
+                                {**settings, "lr": 0.05, "params": [p for p in group["params"] if id(p) in mix]}]
+    train_side_by_side(pairs, rank, range(2, 5))
+    optimizer.synchronize()
+    apart = distance(model, reference)
+    attached(model).detach()
+    return apart
+
+
+def test_parameter_groups_replaced_by_assignment_are_followed_by_the_deferred_updates():
+    assert run_local(regrouped_after_two_steps, 2) == [pytest.approx(0, abs=1e-6)] * 2
+
+
 class DeviceReading(HeadFirst):
     """Reads its device through parameters() as its forward begins, as Hugging Face models do."""
 

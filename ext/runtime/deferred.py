@@ -27,6 +27,7 @@ class DeferredUpdates:
         self.clock = clock
         self.optimizer = None
         self.layer_subsets: dict[str, ParameterSubset] = {}  # owner module -> its parameters
+        self.groups_bound: tuple = ()  # the optimizer's groups the subsets were made for (`_groups`)
         self.pending: dict[str, list[dict]] = {}  # module -> hyper-parameters at step time
         self.versions: dict[str, int] = {}  # pending module -> its parameters' version counters' sum then
         self.zero_after: dict[str, bool] = {}  # module -> set_to_none requested while pending
@@ -40,6 +41,7 @@ class DeferredUpdates:
         self.steps_subsets = steps_subsets(optimizer)
         self.layer_subsets = {m: ParameterSubset(optimizer, [self.table.parameters[n] for n in names])
                               for m, names in self.table.owners.items()}
+        self.groups_bound = _groups(optimizer)
 
     def step(self, optimizer, executor: PlanExecutor) -> None:
         """``optimizer.step()`` for the modules whose ops `executor` has completed; the others pending
@@ -125,7 +127,10 @@ class DeferredUpdates:
         return sum(self.table.parameters[name]._version for name in self.table.owners[module_name])
 
     def _subset(self, modules: list[str]) -> ParameterSubset:
-        """The parameters of the owner `modules`, for one optimizer call."""
+        """The parameters of the owner `modules`, for one optimizer call (bound again to groups
+        replaced since, as an assignment of ``param_groups`` replaces them)."""
+        if _groups(self.optimizer) != self.groups_bound:
+            self.bind(self.optimizer)
         return ParameterSubset.union([self.layer_subsets[m] for m in modules])
 
     def _complete(self, executor: PlanExecutor, module_name: str) -> bool:
@@ -150,6 +155,12 @@ def _zero_gradients(names, parameters, set_to_none: bool) -> None:
     """``_zero_gradient`` for each parameter of `names` (keys of `parameters`, the parameter table's)."""
     for name in names:
         _zero_gradient(parameters[name], set_to_none)
+
+
+def _groups(optimizer) -> tuple:
+    """What identifies the optimizer's parameter groups: each group, its list of parameters and the
+    list's length."""
+    return tuple((id(group), id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
 
 
 def steps_subsets(optimizer) -> bool:
