@@ -114,8 +114,7 @@ class CompressionState:
                                     "compressor settings in its comm hook state",
                                     "build every rank's CompressionState with the same arguments", self.process_group)
             seed = self.seed if self.seed is not None else share_from_first(random.randrange(2**62), self.process_group)
-            self.codec.setup({name: table.tensor_spec(name) for name in table.parameters},
-                             self._channels.world_size, seed)
+            self.codec.setup(table.tensor_specs(), self._channels.world_size, seed)
             self.set_up = True
             if self._saved is not None:
                 self.codec.load_state_dict(*self._saved)

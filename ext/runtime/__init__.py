@@ -169,10 +169,10 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list, argu
     writer = ChromeTrace(arguments.trace, channels.rank) if arguments.trace else None
     codec = arguments.codec
     codec.may_skip_steps = arguments.nonfinite != "raise"
-    codec.setup({name: table.tensor_spec(name) for name in table.parameters}, channels.world_size, seed)
+    codec.setup(table.tensor_specs(), channels.world_size, seed)
     installed = InstalledPlans(table, channels, arguments.planner, codec, arguments.nonfinite, writer,
                                arguments.plan_trials, partition, arguments.replan, unused_as_zeros,
-                               (arguments.warmup_iterations, arguments.measure_iterations))
+                               calibration=(arguments.warmup_iterations, arguments.measure_iterations))
     sync = GradSync(model, table, channels, installed, arguments.broadcast_buffers, writer, takes_unfrozen)
     with sync.detached_on_error():
         sync.check_optimizer(bound)

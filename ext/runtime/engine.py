@@ -670,7 +670,7 @@ class GradSync:
                                     self.channels.process_group)
         table = ParameterTable.of(self.model, kept=self.table.parameters.values())
         table.check_compressor(self.codec.name)
-        self.codec.take_in({name: table.tensor_spec(name) for name in table.parameters})
+        self.codec.take_in(table.tensor_specs())
         installed = self.installed.for_table(table, type(self.model).__name__)
         optimizer = self.deferred.optimizer
         self._drop_table_hooks()

@@ -57,7 +57,7 @@ class InstalledPlans:
 
     def __init__(self, table: ParameterTable, channels: Channels, planner: BoundPlanner, codec: Codec,
                  nonfinite: str, trace=None, plan_trials: int = 0, partition: Partition | None = None,
-                 replan: bool = False, unused_as_zeros: bool = False, calibration: tuple[int, int] = (1, 3)):
+                 replan: bool = False, unused_as_zeros: bool = False, *, calibration: tuple[int, int]):
         self.table = table
         self.calibration = calibration
         self.channels = channels
@@ -137,7 +137,7 @@ class InstalledPlans:
         measured again (`measure_profile`), then planned."""
         successor = InstalledPlans(table, self.channels, self.planner, self.codec, self.nonfinite, self.trace,
                                    self.plan_trials, self.partition, self.replan, self.unused_as_zeros,
-                                   self.calibration)
+                                   calibration=self.calibration)
         successor.replans = self.replans
         successor.measure_profile(model_name, self.cost)
         return successor

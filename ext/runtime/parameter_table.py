@@ -110,6 +110,10 @@ class ParameterTable:
         parameter = self.parameters[name]
         return TensorSpec(name, parameter.numel(), parameter.element_size(), tuple(parameter.shape))
 
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """Every parameter's `tensor_spec`, by name (what a codec is set up for)."""
+        return {name: self.tensor_spec(name) for name in self.parameters}
+
     def check_compressor(self, codec_name: str) -> None:
         """Compressors work on real gradients: a complex parameter would lose its imaginary part
         (the identity codec only copies and averages, which complex gradients take as they are)."""
@@ -152,7 +156,7 @@ class ParameterTable:
 
     def check_profile(self, profile: ModelProfile) -> None:
         """A given profile must describe exactly these tensors."""
-        mine = {name: self.tensor_spec(name) for name in self.parameters}
+        mine = self.tensor_specs()
         theirs = profile.tensor_map()
         missing, extra = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
         if missing or extra:
